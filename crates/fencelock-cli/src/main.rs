@@ -1,0 +1,189 @@
+//! The `fencelock` command line: argument parsing and exit codes around the library.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use fencelock::{Client, ErrorKind};
+
+mod run;
+
+/// Exit codes, from sysexits(3) where one fits.
+pub mod exit {
+    /// Invalid arguments, names or URLs (EX_USAGE).
+    pub const USAGE: u8 = 64;
+    /// The engine could not be reached or failed (EX_UNAVAILABLE).
+    pub const UNAVAILABLE: u8 = 69;
+    /// The lock is held elsewhere and was not acquired within `--wait` (EX_TEMPFAIL).
+    pub const HELD: u8 = 75;
+    /// The lease was lost while the command ran; the command was terminated.
+    pub const LEASE_LOST: u8 = 79;
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "fencelock",
+    version,
+    about = "Distributed locks with fencing tokens",
+    after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 75 held elsewhere, \
+                  79 lease lost while running; otherwise the command's own status."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BackendArg {
+    /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3.
+    /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
+    #[arg(long, env = "FENCELOCK_URL", global = true)]
+    backend: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a command while holding a lock, like flock(1) across machines.
+    Run(RunArgs),
+    /// Show who holds a lock.
+    Inspect {
+        /// Resource name.
+        name: String,
+        #[command(flatten)]
+        backend: BackendArg,
+    },
+}
+
+/// What to do when the lock is held elsewhere and `--wait` runs out.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IfHeld {
+    /// Exit 75 with a message naming the holder.
+    Fail,
+    /// Exit 0 and say the command was skipped.
+    Skip,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    backend: BackendArg,
+    /// Lease TTL; renewed every TTL/3 while the command runs.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub ttl: Duration,
+    /// How long to wait for the lock while another holder has it.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub wait: Duration,
+    /// What to do when the lock stays held.
+    #[arg(long, value_enum, default_value = "fail")]
+    pub if_held: IfHeld,
+    /// After the lease is lost, how long the command gets between SIGTERM and SIGKILL.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub kill_after: Duration,
+    /// Client name recorded with the lease (shown by `inspect`).
+    #[arg(long, default_value = "fencelock-run")]
+    pub client_name: String,
+    /// Resource name (1-256 bytes, no control characters).
+    pub name: String,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{s:?} is not a duration ({e}); write it like 500ms, 30s or 2m"))
+}
+
+/// An error already reported to the user, carrying the exit code to leave with.
+#[derive(Debug)]
+pub struct Exit(pub u8);
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit {}", self.0)
+    }
+}
+impl std::error::Error for Exit {}
+
+/// Maps a library error to the exit code a script can act on.
+pub fn exit_code(e: &fencelock::Error) -> u8 {
+    match e.kind() {
+        ErrorKind::InvalidInput => exit::USAGE,
+        ErrorKind::HeldByAnother | ErrorKind::TimedOut => exit::HELD,
+        ErrorKind::LeaseLost | ErrorKind::NotHolder => exit::LEASE_LOST,
+        _ => exit::UNAVAILABLE,
+    }
+}
+
+/// Prints a library error and turns it into an exit.
+pub fn fail(e: fencelock::Error) -> anyhow::Error {
+    eprintln!("fencelock: {e}");
+    Exit(exit_code(&e)).into()
+}
+
+pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> {
+    let url = match &backend.backend {
+        Some(u) => u.clone(),
+        None => fencelock::default_url().map_err(fail)?,
+    };
+    Client::builder(url)
+        .client_name(client_name)
+        .connect()
+        .await
+        .map_err(fail)
+}
+
+async fn inspect(name: &str, backend: &BackendArg) -> Result<u8> {
+    let client = connect(backend, "fencelock-inspect").await?;
+    match client.inspect(name).await.map_err(fail)? {
+        Some(h) => println!("{name}: held by {h} (owner {})", h.owner),
+        None => println!("{name}: free"),
+    }
+    Ok(0)
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { exit::USAGE } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FENCELOCK_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("fencelock: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::UNAVAILABLE);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => run::run(args).await,
+            Command::Inspect { name, backend } => inspect(&name, &backend).await,
+        }
+    });
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => match e.downcast_ref::<Exit>() {
+            Some(Exit(code)) => ExitCode::from(*code),
+            None => {
+                eprintln!("fencelock: {e:#}");
+                ExitCode::from(exit::UNAVAILABLE)
+            }
+        },
+    }
+}

@@ -1,0 +1,105 @@
+//! `fencelock run`: hold a lock while a command runs.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+
+use anyhow::Result;
+use fencelock::{ErrorKind, LockOptions};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::{connect, exit, fail, IfHeld, RunArgs};
+
+pub async fn run(args: RunArgs) -> Result<u8> {
+    // Check the name before connecting so a bad name never costs a round trip.
+    fencelock::validate_name(&args.name).map_err(fail)?;
+    let client = connect(&args.backend, &args.client_name).await?;
+    let opts = LockOptions::default().ttl(args.ttl).wait(args.wait);
+    let lease = match client.acquire(&args.name, &opts).await {
+        Ok(lease) => lease,
+        Err(e)
+            if args.if_held == IfHeld::Skip
+                && matches!(e.kind(), ErrorKind::HeldByAnother | ErrorKind::TimedOut) =>
+        {
+            eprintln!("fencelock: skipped: {e}");
+            return Ok(0);
+        }
+        Err(e) => return Err(fail(e)),
+    };
+
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut child = match Command::new(&args.command[0])
+        .args(&args.command[1..])
+        .env("FENCELOCK_TOKEN", lease.token().to_string())
+        .env("FENCELOCK_RESOURCE", lease.resource())
+        .env("FENCELOCK_OWNER", lease.owner())
+        // Its own process group, so that on loss the whole job (shell and children) is stopped.
+        .process_group(0)
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("fencelock: cannot start {:?}: {e}", args.command[0]);
+            let _ = lease.release().await;
+            client.close().await;
+            return Ok(if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            });
+        }
+    };
+    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+
+    let status = loop {
+        tokio::select! {
+            status = child.wait() => break status?,
+            _ = sigint.recv() => forward(pgid, Signal::SIGINT),
+            _ = sigterm.recv() => forward(pgid, Signal::SIGTERM),
+            _ = lease.lost() => {
+                let e = lease.run(std::future::pending::<()>()).await.err();
+                eprintln!(
+                    "fencelock: {}; terminating the command",
+                    e.map(|e| e.to_string()).unwrap_or_else(|| "lease lost".into())
+                );
+                terminate(&mut child, pgid, args.kill_after).await;
+                client.close().await;
+                return Ok(exit::LEASE_LOST);
+            }
+        }
+    };
+    if let Err(e) = lease.release().await {
+        eprintln!("fencelock: warning: {e}");
+    }
+    client.close().await;
+    Ok(status_code(status))
+}
+
+fn forward(pgid: Option<Pid>, sig: Signal) {
+    if let Some(pgid) = pgid {
+        let _ = killpg(pgid, sig);
+    }
+}
+
+/// SIGTERM to the command's group, SIGKILL after the grace period. SIGCONT follows SIGTERM
+/// because a stopped process would otherwise never act on it.
+async fn terminate(child: &mut Child, pgid: Option<Pid>, grace: std::time::Duration) {
+    forward(pgid, Signal::SIGTERM);
+    forward(pgid, Signal::SIGCONT);
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        forward(pgid, Signal::SIGKILL);
+        let _ = child.wait().await;
+    }
+}
+
+/// The status a shell would report: the exit code, or 128 + the signal that killed it.
+fn status_code(status: ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => u8::try_from(code).unwrap_or(1),
+        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(255),
+        (None, None) => 1,
+    }
+}

@@ -1,0 +1,274 @@
+//! Backend URLs: which engine, where, with which credentials.
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+
+/// A parsed backend URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// `sqlite:///absolute/path.db`, or `sqlite://` for the default file.
+    Sqlite { path: PathBuf },
+    /// `redis://` / `rediss://` (one node) and `redlock://` (N independent nodes).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    Redis {
+        tls: bool,
+        quorum: bool,
+        nodes: Vec<RedisNode>,
+        user: Option<String>,
+        password: Option<String>,
+        db: i64,
+    },
+}
+
+/// One Redis node address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RedisNode {
+    pub host: String,
+    pub port: u16,
+}
+
+/// The default SQLite file: `$XDG_STATE_HOME/fencelock/locks.db`, else
+/// `~/.local/state/fencelock/locks.db`.
+pub fn default_sqlite_path() -> Result<PathBuf> {
+    let base = match std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        Some(state) => PathBuf::from(state),
+        None => {
+            let home = std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "neither XDG_STATE_HOME nor HOME is set, so there is no default SQLite \
+                     file; pass --backend sqlite:///path/to/locks.db",
+                    )
+                })?;
+            PathBuf::from(home).join(".local").join("state")
+        }
+    };
+    Ok(base.join("fencelock").join("locks.db"))
+}
+
+/// The backend used when none is given: `$FENCELOCK_URL`, else the default SQLite file.
+pub fn default_url() -> Result<String> {
+    if let Some(url) = std::env::var("FENCELOCK_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    {
+        return Ok(url);
+    }
+    Ok(format!("sqlite://{}", default_sqlite_path()?.display()))
+}
+
+/// The URL with any password replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.rsplit_once('@') {
+        Some((creds, hosts)) => match creds.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{hosts}"),
+            None => format!("{scheme}://***@{hosts}"),
+        },
+        None => url.to_owned(),
+    }
+}
+
+const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://";
+
+pub(crate) fn parse(url: &str) -> Result<Backend> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(Error::invalid(format!(
+            "backend {:?} is not a URL; use one of {SCHEMES}",
+            redact_url(url)
+        )));
+    };
+    match scheme {
+        "sqlite" => parse_sqlite(rest),
+        "redis" | "rediss" | "redlock" => parse_redis(scheme, rest),
+        other => Err(Error::invalid(format!(
+            "unknown backend scheme {other:?}; use one of {SCHEMES}"
+        ))),
+    }
+}
+
+fn parse_sqlite(rest: &str) -> Result<Backend> {
+    if rest.is_empty() {
+        return Ok(Backend::Sqlite {
+            path: default_sqlite_path()?,
+        });
+    }
+    let path = percent_encoding::percent_decode_str(rest)
+        .decode_utf8()
+        .map_err(|_| Error::invalid("the SQLite path is not valid UTF-8 once decoded"))?;
+    let path = PathBuf::from(path.as_ref());
+    if !path.is_absolute() {
+        return Err(Error::invalid(format!(
+            "SQLite path {:?} is not absolute; write sqlite:///absolute/path.db",
+            path.display()
+        )));
+    }
+    Ok(Backend::Sqlite { path })
+}
+
+fn decode(part: &str, what: &str) -> Result<String> {
+    percent_encoding::percent_decode_str(part)
+        .decode_utf8()
+        .map(|s| s.into_owned())
+        .map_err(|_| Error::invalid(format!("the {what} in the backend URL is not valid UTF-8")))
+}
+
+fn parse_redis(scheme: &str, rest: &str) -> Result<Backend> {
+    let (authority, path) = match rest.split_once('/') {
+        Some((a, p)) => (a, p),
+        None => (rest, ""),
+    };
+    let (creds, hosts) = match authority.rsplit_once('@') {
+        Some((c, h)) => (Some(c), h),
+        None => (None, authority),
+    };
+    let (user, password) = match creds {
+        None => (None, None),
+        Some(c) => match c.split_once(':') {
+            Some((u, p)) => (
+                Some(decode(u, "user name")?).filter(|u| !u.is_empty()),
+                Some(decode(p, "password")?),
+            ),
+            // `redis://secret@host` is the common spelling of a password-only AUTH.
+            None => (None, Some(decode(c, "password")?)),
+        },
+    };
+    let db = if path.is_empty() {
+        0
+    } else {
+        path.parse::<i64>()
+            .ok()
+            .filter(|d| *d >= 0)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "database {path:?} in the backend URL is not a number"
+                ))
+            })?
+    };
+    let nodes = hosts
+        .split(',')
+        .map(parse_host_port)
+        .collect::<Result<Vec<_>>>()?;
+    let quorum = scheme == "redlock";
+    if quorum && (nodes.len() < 3 || nodes.len() % 2 == 0) {
+        return Err(Error::invalid(format!(
+            "redlock needs an odd number of at least 3 independent nodes, got {}",
+            nodes.len()
+        )));
+    }
+    if !quorum && nodes.len() != 1 {
+        return Err(Error::invalid(format!(
+            "{scheme}:// takes one node, got {}; use redlock:// for a quorum of nodes",
+            nodes.len()
+        )));
+    }
+    Ok(Backend::Redis {
+        tls: scheme == "rediss",
+        quorum,
+        nodes,
+        user,
+        password,
+        db,
+    })
+}
+
+fn parse_host_port(s: &str) -> Result<RedisNode> {
+    let (host, port) = match s.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h, Some(p)),
+        _ => (s, None),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(Error::invalid(format!(
+            "node {s:?} in the backend URL has no host"
+        )));
+    }
+    let port = match port {
+        None => 6379,
+        Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+            Error::invalid(format!("node {s:?} in the backend URL has an invalid port"))
+        })?,
+    };
+    Ok(RedisNode {
+        host: host.to_owned(),
+        port,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_urls() {
+        assert_eq!(
+            parse("sqlite:///tmp/x.db").ok(),
+            Some(Backend::Sqlite {
+                path: "/tmp/x.db".into()
+            })
+        );
+        assert!(parse("sqlite://relative.db").is_err());
+        assert!(matches!(parse("sqlite://"), Ok(Backend::Sqlite { .. })));
+    }
+
+    #[test]
+    fn redis_urls() {
+        let Ok(Backend::Redis {
+            nodes,
+            user,
+            password,
+            db,
+            quorum,
+            tls,
+        }) = parse("redis://app:p%40ss@127.0.0.1:7000/2")
+        else {
+            unreachable!("parse failed")
+        };
+        assert_eq!(
+            nodes,
+            vec![RedisNode {
+                host: "127.0.0.1".into(),
+                port: 7000
+            }]
+        );
+        assert_eq!(user.as_deref(), Some("app"));
+        assert_eq!(password.as_deref(), Some("p@ss"));
+        assert_eq!((db, quorum, tls), (2, false, false));
+
+        let Ok(Backend::Redis { nodes, quorum, .. }) = parse("redlock://a:1,b:2,c") else {
+            unreachable!("parse failed")
+        };
+        assert!(quorum);
+        assert_eq!(nodes.len(), 3);
+        assert_eq!(nodes[2].port, 6379);
+    }
+
+    #[test]
+    fn bad_urls_are_invalid_input() {
+        for url in [
+            "ftp://x",
+            "nonsense",
+            "redis://h:0",
+            "redis://h:99999",
+            "redis://a:1,b:2",
+            "redlock://a:1,b:2",
+            "redlock://a:1,b:2,c:3,d:4",
+            "redis://h:1/x",
+            "redis://:1",
+        ] {
+            let e = parse(url).expect_err(url);
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{url}");
+        }
+    }
+
+    #[test]
+    fn redaction_hides_passwords() {
+        assert_eq!(redact_url("redis://u:secret@h:1"), "redis://u:***@h:1");
+        assert_eq!(redact_url("redis://secret@h:1"), "redis://***@h:1");
+        assert_eq!(redact_url("sqlite:///x"), "sqlite:///x");
+    }
+}

@@ -1,0 +1,445 @@
+//! The client: built from a backend URL, it acquires leases and runs their watchdog.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::backend::{self, Backend};
+use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::error::{Error, ErrorKind, Result};
+use crate::holder::{Holder, HolderMeta};
+use crate::lease::{Lease, LeaseState};
+use crate::name::validate_name;
+use crate::options::{display_duration, usable, validity, LockOptions};
+use crate::watchdog::Watchdog;
+
+/// The key prefix used when none is configured. Every key fencelock writes starts with it.
+pub const DEFAULT_PREFIX: &str = "fencelock:v1:";
+
+/// A handle on one lock engine. Cheap to clone; clones share one connection set and one
+/// renewal task.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+pub(crate) struct ClientInner {
+    pub(crate) engine: Arc<dyn Engine>,
+    pub(crate) watchdog: Watchdog,
+    prefix: String,
+    meta: HolderMeta,
+    max_ttl: Duration,
+    op_timeout: Duration,
+    cleanup: TaskTracker,
+    next_id: AtomicU64,
+    url: String,
+}
+
+/// Builds a [`Client`]: the backend URL plus optional settings.
+#[derive(Debug, Clone)]
+pub struct ClientBuilder {
+    url: String,
+    prefix: String,
+    client_name: String,
+    max_ttl: Duration,
+    op_timeout: Duration,
+}
+
+impl ClientBuilder {
+    /// The key prefix (namespace). Default `fencelock:v1:`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> ClientBuilder {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The client name recorded with every lease, shown by `inspect`. Default `fencelock`.
+    pub fn client_name(mut self, name: impl Into<String>) -> ClientBuilder {
+        self.client_name = name.into();
+        self
+    }
+
+    /// The longest TTL this client accepts. Default one day.
+    pub fn max_ttl(mut self, max: Duration) -> ClientBuilder {
+        self.max_ttl = max;
+        self
+    }
+
+    /// The deadline of every single engine call. Default 5 s.
+    pub fn op_timeout(mut self, timeout: Duration) -> ClientBuilder {
+        self.op_timeout = timeout;
+        self
+    }
+
+    /// Parses the URL, opens the engine and starts the renewal task. Must be called inside a
+    /// tokio runtime.
+    pub async fn connect(self) -> Result<Client> {
+        if self.prefix.len() > 64 || self.prefix.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                "the key prefix must be at most 64 bytes without control characters",
+            ));
+        }
+        if self.op_timeout.is_zero() {
+            return Err(Error::invalid("the operation timeout must be positive"));
+        }
+        let backend = backend::parse(&self.url)?;
+        let engine = open_engine(backend, self.op_timeout).await?;
+        let cleanup = TaskTracker::new();
+        let watchdog = Watchdog::start(engine.clone(), self.op_timeout, cleanup.clone());
+        Ok(Client {
+            inner: Arc::new(ClientInner {
+                engine,
+                watchdog,
+                prefix: self.prefix,
+                meta: HolderMeta::current(self.client_name),
+                max_ttl: self.max_ttl,
+                op_timeout: self.op_timeout,
+                cleanup,
+                next_id: AtomicU64::new(1),
+                url: backend::redact_url(&self.url),
+            }),
+        })
+    }
+}
+
+async fn open_engine(backend: Backend, op_timeout: Duration) -> Result<Arc<dyn Engine>> {
+    match backend {
+        #[cfg(feature = "sqlite")]
+        Backend::Sqlite { path } => Ok(Arc::new(
+            crate::sqlite::SqliteEngine::open(path, op_timeout).await?,
+        )),
+        #[cfg(not(feature = "sqlite"))]
+        Backend::Sqlite { .. } => Err(Error::invalid(
+            "this build of fencelock lacks the `sqlite` feature",
+        )),
+        #[cfg(feature = "redis")]
+        Backend::Redis { .. } => crate::redis::open(backend, op_timeout).await,
+        #[cfg(not(feature = "redis"))]
+        Backend::Redis { .. } => {
+            let _ = op_timeout;
+            Err(Error::invalid(
+                "this build of fencelock lacks the `redis` feature",
+            ))
+        }
+    }
+}
+
+impl Client {
+    /// Starts building a client for a backend URL (`sqlite:///path.db`, `redis://host:port`,
+    /// `redlock://h1:p1,h2:p2,h3:p3`, ...).
+    pub fn builder(url: impl Into<String>) -> ClientBuilder {
+        ClientBuilder {
+            url: url.into(),
+            prefix: DEFAULT_PREFIX.to_owned(),
+            client_name: "fencelock".to_owned(),
+            max_ttl: Duration::from_secs(24 * 3600),
+            op_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// A client with default settings for `url`.
+    pub async fn connect(url: &str) -> Result<Client> {
+        Client::builder(url).connect().await
+    }
+
+    /// The engine's short name: `sqlite`, `redis`, `redlock`.
+    pub fn engine(&self) -> &'static str {
+        self.inner.engine.kind()
+    }
+
+    /// The backend URL, password redacted.
+    pub fn url(&self) -> &str {
+        &self.inner.url
+    }
+
+    /// The engine key a resource name maps to.
+    pub fn key_for(&self, name: &str) -> Result<String> {
+        validate_name(name)?;
+        Ok(format!("{}{name}", self.inner.prefix))
+    }
+
+    /// Acquires `name`, waiting up to `opts.wait` while another owner holds it.
+    ///
+    /// Cancel safety: dropping the returned future at any point leaves nothing held. An
+    /// attempt whose answer had not arrived is released (owner-checked) in the background;
+    /// [`Client::close`] waits for that clean-up.
+    pub async fn acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
+        self.acquire_within(name, opts, opts.wait_value()).await
+    }
+
+    /// One attempt to acquire `name`, whatever `opts.wait` says. Fails with
+    /// [`ErrorKind::HeldByAnother`], carrying the holder, when the lock is held. Cancel safe as
+    /// [`Client::acquire`].
+    pub async fn try_acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
+        self.acquire_within(name, opts, Duration::ZERO).await
+    }
+
+    /// The current holder of `name`, if the lock is held.
+    pub async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
+        let key = self.key_for(name)?;
+        self.call(name, self.inner.engine.inspect(&key)).await
+    }
+
+    /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost
+    /// after failed renewals) to finish. Call it before a process exits.
+    pub async fn close(&self) {
+        self.inner.cleanup.close();
+        self.inner.cleanup.wait().await;
+        self.inner.cleanup.reopen();
+    }
+
+    async fn call<T>(
+        &self,
+        name: &str,
+        fut: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        self.inner.call(name, self.inner.op_timeout, fut).await
+    }
+
+    async fn acquire_within(
+        &self,
+        name: &str,
+        opts: &LockOptions,
+        wait: Duration,
+    ) -> Result<Lease> {
+        let span = tracing::debug_span!("acquire", resource = name, engine = self.engine());
+        self.acquire_loop(name, opts, wait).instrument(span).await
+    }
+
+    async fn acquire_loop(&self, name: &str, opts: &LockOptions, wait: Duration) -> Result<Lease> {
+        validate_name(name)?;
+        opts.validate(self.inner.max_ttl)?;
+        let inner = &self.inner;
+        let engine = inner.engine.kind();
+        let ttl = opts.ttl_value();
+        let req = AcquireRequest {
+            key: format!("{}{name}", inner.prefix),
+            owner: format!("{:032x}", rand::random::<u128>()),
+            ttl,
+            meta: inner.meta.clone(),
+        };
+        let mut pending = Pending {
+            client: inner.clone(),
+            key: req.key.clone(),
+            owner: req.owner.clone(),
+            armed: false,
+        };
+        let deadline = Instant::now() + wait;
+        let call_timeout = inner.op_timeout.min(ttl);
+        let (min_backoff, max_backoff) = opts.backoff_bounds();
+        let mut backoff = min_backoff;
+        loop {
+            let started = Instant::now();
+            pending.armed = true;
+            let outcome = inner
+                .call(name, call_timeout, inner.engine.try_acquire(&req))
+                .await;
+            let (last, hint) = match outcome {
+                Ok(Attempt::Granted(token)) => {
+                    let elapsed = started.elapsed();
+                    match validity(ttl, elapsed).filter(|v| usable(ttl, *v)) {
+                        Some(v) => {
+                            pending.armed = false;
+                            let state = Arc::new(LeaseState::new(
+                                inner.next_id.fetch_add(1, Ordering::Relaxed),
+                                name.to_owned(),
+                                req.key.clone(),
+                                req.owner.clone(),
+                                token,
+                                ttl,
+                                started + v,
+                            ));
+                            inner
+                                .watchdog
+                                .register(state.clone(), opts.auto_renew_value());
+                            return Ok(Lease::new(state, inner.clone()));
+                        }
+                        None => {
+                            pending.release_now().await;
+                            let e = Error::engine_failure(
+                                engine,
+                                format!(
+                                    "the grant took {} of a {} TTL, leaving no useful validity; \
+                                     use a longer TTL",
+                                    display_duration(elapsed),
+                                    display_duration(ttl)
+                                ),
+                            )
+                            .with_resource(name);
+                            (Err(e), None)
+                        }
+                    }
+                }
+                Ok(Attempt::Held { holder, retry_in }) => {
+                    pending.armed = false;
+                    (Ok(holder), retry_in)
+                }
+                Err(e) if e.kind() == ErrorKind::Engine => (Err(e), None),
+                Err(e) => {
+                    pending.release_now().await;
+                    return Err(e);
+                }
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                if pending.armed {
+                    pending.release_now().await;
+                }
+                return Err(match last {
+                    Ok(holder) if wait.is_zero() => Error::held(name, engine, holder),
+                    Ok(holder) => Error::timed_out(name, engine, wait, holder),
+                    Err(e) => e,
+                });
+            }
+            let jittered = rand::thread_rng().gen_range(backoff / 2..=backoff);
+            let mut pause = jittered.min(deadline - now);
+            if let Some(hint) = hint {
+                pause = pause.min(hint.max(Duration::from_millis(1)));
+            }
+            backoff = (backoff * 2).min(max_backoff);
+            if last.is_ok() {
+                inner.engine.wait_for_release(&req.key, pause).await;
+            } else {
+                tokio::time::sleep(pause).await;
+            }
+        }
+    }
+}
+
+impl ClientInner {
+    /// Every engine call goes through here: bounded by a deadline, named in errors.
+    pub(crate) async fn call<T>(
+        &self,
+        name: &str,
+        limit: Duration,
+        fut: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let engine = self.engine.kind();
+        match tokio::time::timeout(limit, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(if e.resource().is_none() {
+                e.with_resource(name)
+            } else {
+                e
+            }),
+            Err(_) => Err(Error::engine_failure(
+                engine,
+                format!(
+                    "no answer from {} within {}; check that the engine is up and reachable",
+                    self.url,
+                    display_duration(limit)
+                ),
+            )
+            .with_resource(name)),
+        }
+    }
+
+    pub(crate) async fn extend_now(self: &Arc<Self>, lease: &LeaseState) -> Result<()> {
+        if lease.is_lost() {
+            return Err(lease.lost_error(self.engine.kind()));
+        }
+        let started = Instant::now();
+        let batch = [Renewal {
+            key: lease.key.clone(),
+            owner: lease.owner.clone(),
+            ttl: lease.ttl,
+        }];
+        let limit = self.op_timeout.min(lease.ttl);
+        let answer = self
+            .call(&lease.resource, limit, self.engine.extend(&batch))
+            .await?;
+        match answer.first() {
+            Some(Renewed::Extended) if Instant::now() < lease.deadline() => {
+                self.watchdog.confirmed(lease.id, started);
+                Ok(())
+            }
+            Some(Renewed::Extended) => {
+                lease.mark_lost("its validity ended before the extension was confirmed".into());
+                Err(lease.lost_error(self.engine.kind()))
+            }
+            _ => {
+                lease.mark_lost(
+                    "the engine no longer lists this owner as holder: the lock expired or was \
+                     taken or force-released"
+                        .into(),
+                );
+                self.watchdog.unregister(lease.id);
+                Err(lease.lost_error(self.engine.kind()))
+            }
+        }
+    }
+
+    pub(crate) async fn release_state(&self, lease: &LeaseState) -> Result<()> {
+        let limit = self.op_timeout;
+        let released = self
+            .call(
+                &lease.resource,
+                limit,
+                self.engine.release(&lease.key, &lease.owner),
+            )
+            .await?;
+        if released {
+            Ok(())
+        } else {
+            Err(Error::new(
+                ErrorKind::NotHolder,
+                format!(
+                    "the lease with token {} had already expired or been taken before release; \
+                     work done under it may have overlapped another holder",
+                    lease.token
+                ),
+            )
+            .with_resource(&lease.resource)
+            .with_engine(self.engine.kind()))
+        }
+    }
+}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        tracing::trace!(url = %self.url, "client dropped");
+    }
+}
+
+/// An attempt whose outcome is unknown to the caller (sent, answer not yet read). If the
+/// acquisition is abandoned in that state, the owner is released so no lock is left behind.
+struct Pending {
+    client: Arc<ClientInner>,
+    key: String,
+    owner: String,
+    armed: bool,
+}
+
+impl Pending {
+    async fn release_now(&mut self) {
+        let c = &self.client;
+        let _ = tokio::time::timeout(c.op_timeout, c.engine.release(&self.key, &self.owner)).await;
+        self.armed = false;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let client = self.client.clone();
+        let key = std::mem::take(&mut self.key);
+        let owner = std::mem::take(&mut self.owner);
+        self.client.cleanup.spawn_on(
+            async move {
+                let _ =
+                    tokio::time::timeout(client.op_timeout, client.engine.release(&key, &owner))
+                        .await;
+            },
+            &handle,
+        );
+    }
+}

@@ -1,0 +1,230 @@
+//! The lease a client holds, its lost signal and `run`.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::ClientInner;
+use crate::error::{Error, ErrorKind, Result};
+use crate::token::FencingToken;
+
+/// State shared between a [`Lease`] and the client's watchdog.
+pub(crate) struct LeaseState {
+    pub id: u64,
+    pub resource: String,
+    pub key: String,
+    pub owner: String,
+    pub token: FencingToken,
+    pub ttl: Duration,
+    deadline: Mutex<Instant>,
+    lost: CancellationToken,
+    lost_reason: OnceLock<String>,
+}
+
+impl LeaseState {
+    pub(crate) fn new(
+        id: u64,
+        resource: String,
+        key: String,
+        owner: String,
+        token: FencingToken,
+        ttl: Duration,
+        deadline: Instant,
+    ) -> LeaseState {
+        LeaseState {
+            id,
+            resource,
+            key,
+            owner,
+            token,
+            ttl,
+            deadline: Mutex::new(deadline),
+            lost: CancellationToken::new(),
+            lost_reason: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn set_deadline(&self, d: Instant) {
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = d;
+    }
+
+    pub(crate) fn mark_lost(&self, reason: String) {
+        if self.lost_reason.set(reason).is_ok() {
+            tracing::warn!(
+                resource = %self.resource,
+                token = %self.token,
+                reason = %self.lost_reason.get().map(String::as_str).unwrap_or(""),
+                "lease lost"
+            );
+        }
+        self.lost.cancel();
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.is_cancelled() || Instant::now() >= self.deadline()
+    }
+
+    pub(crate) fn lost_error(&self, engine: &'static str) -> Error {
+        let reason = self
+            .lost_reason
+            .get()
+            .map(String::as_str)
+            .unwrap_or("its validity ended without a confirmed renewal");
+        Error::new(
+            ErrorKind::LeaseLost,
+            format!(
+                "lease with token {} lost: {reason}; stop work done under it",
+                self.token
+            ),
+        )
+        .with_resource(&self.resource)
+        .with_engine(engine)
+    }
+}
+
+/// Ownership of a named resource for a while, with a fencing token.
+///
+/// While auto-renewal is on (the default) the client's watchdog extends the lease every TTL/3.
+/// Two failed renewals in a row, an engine that no longer lists this owner, or the validity
+/// deadline passing without a confirmed renewal mark the lease lost: [`Lease::lost`] completes
+/// and [`Lease::run`] cancels its work, never later than the end of the validity window.
+///
+/// Release it with [`Lease::release`]. Dropping a lease without releasing it stops its renewals
+/// and lets it expire on the engine after its TTL.
+#[must_use = "dropping a Lease stops its renewals; hold it while you work and release it when done"]
+pub struct Lease {
+    state: Arc<LeaseState>,
+    client: Arc<ClientInner>,
+}
+
+impl Lease {
+    pub(crate) fn new(state: Arc<LeaseState>, client: Arc<ClientInner>) -> Lease {
+        Lease { state, client }
+    }
+
+    /// The resource name this lease is for.
+    pub fn resource(&self) -> &str {
+        &self.state.resource
+    }
+
+    /// The random 128-bit owner value (hex) that identifies this holder to the engine.
+    pub fn owner(&self) -> &str {
+        &self.state.owner
+    }
+
+    /// The fencing token: greater than every earlier grant's token for this resource. Send it
+    /// with every write to the protected resource.
+    pub fn token(&self) -> FencingToken {
+        self.state.token
+    }
+
+    /// The TTL the lease was granted (and is renewed) with.
+    pub fn ttl(&self) -> Duration {
+        self.state.ttl
+    }
+
+    /// The engine key the lease lives under.
+    pub fn key(&self) -> &str {
+        &self.state.key
+    }
+
+    /// End of the validity window on the local monotonic clock, as of the last confirmed grant
+    /// or renewal.
+    pub fn valid_until(&self) -> Instant {
+        self.state.deadline()
+    }
+
+    /// Time left in the validity window (zero once it has ended).
+    pub fn time_left(&self) -> Duration {
+        self.state
+            .deadline()
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// Whether the lease is lost or its validity window has ended.
+    pub fn is_lost(&self) -> bool {
+        self.state.is_lost()
+    }
+
+    /// Completes when the lease is lost. Cancel safe: dropping it changes nothing.
+    pub async fn lost(&self) {
+        self.state.lost.cancelled().await;
+    }
+
+    /// A handle that outlives borrows of the lease, for tasks that must stop when it is lost.
+    pub fn lost_signal(&self) -> LostSignal {
+        LostSignal {
+            token: self.state.lost.clone(),
+        }
+    }
+
+    /// Runs `work` until it finishes or the lease is lost, whichever comes first. On loss the
+    /// work future is dropped (cancelled) and [`ErrorKind::LeaseLost`] is returned.
+    pub async fn run<F: Future>(&self, work: F) -> Result<F::Output> {
+        tokio::select! {
+            biased;
+            _ = self.state.lost.cancelled() => Err(self.state.lost_error(self.client.engine.kind())),
+            out = work => Ok(out),
+        }
+    }
+
+    /// Owner-checked extension by the lease's TTL, now. The watchdog does this on its own
+    /// when auto-renewal is on. Fails with [`ErrorKind::LeaseLost`] when the engine no longer
+    /// lists this owner.
+    pub async fn extend(&self) -> Result<()> {
+        self.client.extend_now(&self.state).await
+    }
+
+    /// Owner-checked release: deletes the lock only if this owner still holds it, and wakes
+    /// waiters. Returns [`ErrorKind::NotHolder`] when the lease had already expired or been
+    /// taken, so the caller learns its work may have overlapped another holder's.
+    pub async fn release(self) -> Result<()> {
+        self.client.watchdog.unregister(self.state.id);
+        self.client.release_state(&self.state).await
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.client.watchdog.unregister(self.state.id);
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("resource", &self.state.resource)
+            .field("token", &self.state.token)
+            .field("owner", &self.state.owner)
+            .field("ttl", &self.state.ttl)
+            .field("time_left", &self.time_left())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+/// A cloneable handle on a lease's lost signal.
+#[derive(Clone, Debug)]
+pub struct LostSignal {
+    token: CancellationToken,
+}
+
+impl LostSignal {
+    /// Completes when the lease is lost. Cancel safe.
+    pub async fn wait(&self) {
+        self.token.cancelled().await;
+    }
+
+    /// Whether the lease has been marked lost.
+    pub fn is_lost(&self) -> bool {
+        self.token.is_cancelled()
+    }
+}

@@ -1,0 +1,228 @@
+//! Lock options and the validity arithmetic every engine shares.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// The shortest TTL accepted: below it the clock drift allowance and one round trip leave no
+/// useful validity.
+pub const MIN_TTL: Duration = Duration::from_millis(10);
+
+/// Options for one acquisition. Start from [`LockOptions::default`] and change what you need:
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = fencelock::LockOptions::default()
+///     .ttl(Duration::from_secs(10))
+///     .wait(Duration::from_secs(60));
+/// assert_eq!(opts.ttl_value(), Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockOptions {
+    ttl: Duration,
+    wait: Duration,
+    retry_min: Duration,
+    retry_max: Duration,
+    auto_renew: bool,
+}
+
+impl Default for LockOptions {
+    /// TTL 30 s, no waiting (one attempt), retries between 5 ms and 250 ms with jitter, and
+    /// automatic renewal every TTL/3.
+    fn default() -> LockOptions {
+        LockOptions {
+            ttl: Duration::from_secs(30),
+            wait: Duration::ZERO,
+            retry_min: Duration::from_millis(5),
+            retry_max: Duration::from_millis(250),
+            auto_renew: true,
+        }
+    }
+}
+
+impl LockOptions {
+    /// How long a grant lasts on the engine without renewal.
+    pub fn ttl(mut self, ttl: Duration) -> LockOptions {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long [`Client::acquire`](crate::Client::acquire) keeps trying while the lock is held
+    /// elsewhere; zero means one attempt.
+    pub fn wait(mut self, wait: Duration) -> LockOptions {
+        self.wait = wait;
+        self
+    }
+
+    /// Bounds of the jittered exponential backoff between attempts when the engine has no
+    /// wake-up to offer. A waiter never sleeps longer than the holder's remaining TTL.
+    pub fn backoff(mut self, min: Duration, max: Duration) -> LockOptions {
+        self.retry_min = min;
+        self.retry_max = max;
+        self
+    }
+
+    /// Whether the client's watchdog renews the lease every TTL/3 (on by default). Without it
+    /// the lease is reported lost when its validity ends.
+    pub fn auto_renew(mut self, on: bool) -> LockOptions {
+        self.auto_renew = on;
+        self
+    }
+
+    /// The TTL these options ask for.
+    pub fn ttl_value(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The wait deadline these options ask for.
+    pub fn wait_value(&self) -> Duration {
+        self.wait
+    }
+
+    /// Whether automatic renewal is on.
+    pub fn auto_renew_value(&self) -> bool {
+        self.auto_renew
+    }
+
+    pub(crate) fn backoff_bounds(&self) -> (Duration, Duration) {
+        (self.retry_min, self.retry_max)
+    }
+
+    pub(crate) fn validate(&self, max_ttl: Duration) -> Result<()> {
+        if self.ttl < MIN_TTL {
+            return Err(Error::invalid(format!(
+                "TTL {} is too short; the minimum is {}",
+                display_duration(self.ttl),
+                display_duration(MIN_TTL)
+            )));
+        }
+        if self.ttl > max_ttl {
+            return Err(Error::invalid(format!(
+                "TTL {} exceeds this client's cap of {}; use a shorter TTL with renewal",
+                display_duration(self.ttl),
+                display_duration(max_ttl)
+            )));
+        }
+        if self.retry_min.is_zero() || self.retry_min > self.retry_max {
+            return Err(Error::invalid("backoff bounds must satisfy 0 < min <= max"));
+        }
+        Ok(())
+    }
+}
+
+/// The clock drift allowance for a TTL, as the Redlock spec sizes it: 1 % of the TTL plus 2 ms.
+pub fn drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
+}
+
+/// Validity left of a grant: `ttl - elapsed - drift(ttl)`, where `elapsed` is measured from
+/// before the first request was sent. `None` when nothing is left.
+pub fn validity(ttl: Duration, elapsed: Duration) -> Option<Duration> {
+    ttl.checked_sub(elapsed)?
+        .checked_sub(drift(ttl))
+        .filter(|v| !v.is_zero())
+}
+
+/// Whether a grant whose validity is `validity` is worth handing out. Below a tenth of the TTL
+/// the holder could barely start work before the lease runs out, so the grant is released and
+/// retried instead.
+pub fn usable(ttl: Duration, validity: Duration) -> bool {
+    validity >= ttl / 10
+}
+
+/// The renewal cadence of the watchdog.
+pub fn renew_interval(ttl: Duration) -> Duration {
+    ttl / 3
+}
+
+/// Formats a duration as people write it (`250ms`, `1.5s`, `2m`).
+pub fn display_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        if d.as_micros() % 1000 != 0 && ms < 10 {
+            return format!("{:.1}ms", d.as_secs_f64() * 1000.0);
+        }
+        format!("{ms}ms")
+    } else if ms % 60_000 == 0 {
+        format!("{}m", ms / 60_000)
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn redlock_spec_figures() {
+        let ttl = Duration::from_secs(10);
+        assert_eq!(drift(ttl), Duration::from_millis(102));
+        assert_eq!(
+            validity(ttl, Duration::from_millis(50)),
+            Some(Duration::from_millis(9848))
+        );
+        assert_eq!(validity(ttl, Duration::from_millis(9898)), None);
+        assert_eq!(validity(ttl, Duration::from_secs(11)), None);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let max = Duration::from_secs(3600);
+        assert!(LockOptions::default().validate(max).is_ok());
+        assert!(LockOptions::default()
+            .ttl(Duration::ZERO)
+            .validate(max)
+            .is_err());
+        assert!(LockOptions::default()
+            .ttl(Duration::from_secs(7200))
+            .validate(max)
+            .is_err());
+        assert!(LockOptions::default()
+            .backoff(Duration::from_millis(9), Duration::from_millis(1))
+            .validate(max)
+            .is_err());
+    }
+
+    #[test]
+    fn durations_display_like_the_cli_takes_them() {
+        assert_eq!(display_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(display_duration(Duration::from_secs(30)), "30s");
+        assert_eq!(display_duration(Duration::from_secs(120)), "2m");
+        assert_eq!(display_duration(Duration::from_millis(1500)), "1.5s");
+    }
+
+    proptest! {
+        #[test]
+        fn validity_plus_costs_is_ttl(ttl_ms in 10u64..10_000_000, elapsed_us in 0u64..20_000_000_000) {
+            let ttl = Duration::from_millis(ttl_ms);
+            let elapsed = Duration::from_micros(elapsed_us);
+            match validity(ttl, elapsed) {
+                Some(v) => {
+                    prop_assert_eq!(v + elapsed + drift(ttl), ttl);
+                    prop_assert!(v < ttl);
+                }
+                None => prop_assert!(elapsed + drift(ttl) >= ttl),
+            }
+        }
+
+        #[test]
+        fn validity_shrinks_as_elapsed_grows(ttl_ms in 10u64..1_000_000, a in 0u64..2_000_000, b in 0u64..2_000_000) {
+            let ttl = Duration::from_millis(ttl_ms);
+            let (lo, hi) = (a.min(b), a.max(b));
+            let vlo = validity(ttl, Duration::from_micros(lo));
+            let vhi = validity(ttl, Duration::from_micros(hi));
+            prop_assert!(vhi <= vlo);
+        }
+
+        #[test]
+        fn renewal_comes_well_before_expiry(ttl_ms in 10u64..10_000_000) {
+            let ttl = Duration::from_millis(ttl_ms);
+            // Two renewals in a row can fail and the second still starts before validity ends.
+            prop_assert!(renew_interval(ttl) * 2 < ttl - drift(ttl));
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The embedded default engine: a lease table in one SQLite file, shared by every process on
+//! one machine.
+//!
+//! Design decisions:
+//! - Every write runs in an `IMMEDIATE` transaction, so the check (is it held?) and the grant
+//!   (take it, advance the token) are one atomic step across processes. A busy timeout bounds
+//!   the wait for the file lock.
+//! - Expiry is kept on `CLOCK_BOOTTIME`, which all processes of one machine share and which
+//!   neither wall-clock jumps nor `settimeofday` move. A lease row remembers the boot it was
+//!   written in; a row from an earlier boot is expired whatever its numbers say.
+//! - One row per resource lives forever: releasing clears the owner but keeps the token, so
+//!   tokens keep increasing across releases, process restarts and reboots.
+//! - `synchronous=FULL`: a token counter rolled back by a power cut would hand out a token twice.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::error::{Error, Result};
+use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::token::FencingToken;
+
+const ENGINE: &str = "sqlite";
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS fencelock_locks (
+    key         TEXT PRIMARY KEY,
+    token       INTEGER NOT NULL,
+    owner       TEXT,
+    boot_id     TEXT,
+    expires_at  INTEGER,
+    ttl_ms      INTEGER,
+    host        TEXT,
+    pid         INTEGER,
+    client      TEXT,
+    acquired_at INTEGER,
+    renewed_at  INTEGER
+) WITHOUT ROWID;
+";
+
+pub(crate) struct SqliteEngine {
+    jobs: std::sync::mpsc::Sender<Job>,
+    path: Arc<PathBuf>,
+}
+
+type Job = Box<dyn FnOnce(&mut Connection, &str) + Send>;
+
+/// Milliseconds on `CLOCK_BOOTTIME`: machine-wide, monotonic, counting suspend.
+fn boot_millis() -> i64 {
+    match nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME) {
+        Ok(ts) => ts.tv_sec() * 1000 + ts.tv_nsec() / 1_000_000,
+        // Every Linux since 2.6.39 has CLOCK_BOOTTIME; the fallback keeps other kernels usable.
+        Err(_) => {
+            let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+                .unwrap_or(nix::sys::time::TimeSpec::new(0, 0));
+            ts.tv_sec() * 1000 + ts.tv_nsec() / 1_000_000
+        }
+    }
+}
+
+fn current_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-boot".to_owned())
+}
+
+fn ttl_millis(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn sql_error(path: &Path, e: rusqlite::Error) -> Error {
+    Error::engine_failure(ENGINE, format!("{}", path.display())).with_source(e)
+}
+
+struct LockRow {
+    token: i64,
+    owner: Option<String>,
+    boot_id: Option<String>,
+    expires_at: Option<i64>,
+    host: Option<String>,
+    pid: Option<i64>,
+    client: Option<String>,
+    acquired_at: Option<i64>,
+    renewed_at: Option<i64>,
+}
+
+impl LockRow {
+    fn read(conn: &Connection, key: &str) -> rusqlite::Result<Option<LockRow>> {
+        conn.query_row(
+            "SELECT token, owner, boot_id, expires_at, host, pid, client, acquired_at, renewed_at
+             FROM fencelock_locks WHERE key = ?1",
+            [key],
+            |r| {
+                Ok(LockRow {
+                    token: r.get(0)?,
+                    owner: r.get(1)?,
+                    boot_id: r.get(2)?,
+                    expires_at: r.get(3)?,
+                    host: r.get(4)?,
+                    pid: r.get(5)?,
+                    client: r.get(6)?,
+                    acquired_at: r.get(7)?,
+                    renewed_at: r.get(8)?,
+                })
+            },
+        )
+        .optional()
+    }
+
+    /// The live holder's owner value, if the row is held in this boot and not expired.
+    fn live_owner(&self, now: i64, boot: &str) -> Option<&str> {
+        let live =
+            self.boot_id.as_deref() == Some(boot) && self.expires_at.is_some_and(|e| e > now);
+        self.owner.as_deref().filter(|_| live)
+    }
+
+    fn holder(&self, now: i64) -> Holder {
+        let mut h = Holder::bare(self.owner.clone().unwrap_or_default());
+        h.token = Some(FencingToken::new(u64::try_from(self.token).unwrap_or(0)));
+        h.host = self.host.clone();
+        h.pid = self.pid.and_then(|p| u32::try_from(p).ok());
+        h.client = self.client.clone();
+        h.acquired_at = self.acquired_at.map(from_unix_millis);
+        h.renewed_at = self.renewed_at.map(from_unix_millis);
+        h.ttl_left = self
+            .expires_at
+            .map(|e| Duration::from_millis(u64::try_from(e - now).unwrap_or(0)));
+        h
+    }
+}
+
+impl SqliteEngine {
+    /// Opens the database on a worker thread that then runs every statement of this engine.
+    ///
+    /// One thread, one connection and a FIFO queue keep calls in the order they were made: an
+    /// owner-checked release sent after an abandoned acquisition always runs after it, so a
+    /// cancelled acquire can never leave a lock behind by overtaking.
+    pub(crate) async fn open(path: PathBuf, op_timeout: Duration) -> Result<SqliteEngine> {
+        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+        let (ready_tx, ready) = tokio::sync::oneshot::channel();
+        let p = path.clone();
+        std::thread::Builder::new()
+            .name("fencelock-sqlite".into())
+            .spawn(move || {
+                let mut conn = match open_blocking(&p, op_timeout) {
+                    Ok(c) => {
+                        let _ = ready_tx.send(Ok(()));
+                        c
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let boot = current_boot_id();
+                // Ends when the engine, the only sender, is dropped.
+                while let Ok(job) = queue.recv() {
+                    job(&mut conn, &boot);
+                }
+            })
+            .map_err(|e| {
+                Error::engine_failure(ENGINE, format!("cannot start the SQLite thread: {e}"))
+            })?;
+        ready.await.map_err(|_| {
+            Error::engine_failure(ENGINE, format!("opening {} failed", path.display()))
+        })??;
+        Ok(SqliteEngine {
+            jobs,
+            path: Arc::new(path),
+        })
+    }
+
+    /// Queues `f` on the engine's connection thread. The job is queued during the first poll,
+    /// so it runs even if the caller's future is dropped afterwards.
+    async fn with_conn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection, &str) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let path = self.path.clone();
+        let job: Job = Box::new(move |conn, boot| {
+            let _ = tx.send(f(conn, boot).map_err(|e| sql_error(&path, e)));
+        });
+        self.jobs.send(job).map_err(|_| {
+            Error::engine_failure(
+                ENGINE,
+                format!("{}: the SQLite thread has stopped", self.path.display()),
+            )
+        })?;
+        rx.await.map_err(|_| {
+            Error::engine_failure(
+                ENGINE,
+                format!("{}: the SQLite thread has stopped", self.path.display()),
+            )
+        })?
+    }
+}
+
+fn open_blocking(path: &Path, op_timeout: Duration) -> Result<Connection> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            Error::engine_failure(
+                ENGINE,
+                format!(
+                    "cannot create the directory {} for the lock database: {e}; choose a \
+                     writable path with --backend sqlite:///path/locks.db",
+                    dir.display()
+                ),
+            )
+        })?;
+    }
+    let started = std::time::Instant::now();
+    loop {
+        match try_open(path, op_timeout) {
+            Ok(c) => return Ok(c),
+            // Several processes creating the file at once can see SQLITE_BUSY while one of them
+            // switches it to WAL; that is worth retrying within the operation deadline.
+            Err(rusqlite::Error::SqliteFailure(f, _))
+                if f.code == rusqlite::ErrorCode::DatabaseBusy
+                    && started.elapsed() < op_timeout =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => {
+                return Err(Error::engine_failure(
+                    ENGINE,
+                    format!(
+                        "cannot open the lock database {}; check that the path is writable",
+                        path.display()
+                    ),
+                )
+                .with_source(e))
+            }
+        }
+    }
+}
+
+fn try_open(path: &Path, op_timeout: Duration) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(op_timeout)?;
+    let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        tracing::debug!(path = %path.display(), mode, "SQLite kept its journal mode");
+    }
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.execute_batch(SCHEMA)?;
+    Ok(conn)
+}
+
+#[async_trait]
+impl Engine for SqliteEngine {
+    fn kind(&self) -> &'static str {
+        ENGINE
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let req = req.clone();
+        self.with_conn(move |conn, boot| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            // Read the clock only once the write lock is ours, so "now" is never earlier than
+            // the commit of the previous holder.
+            let now = boot_millis();
+            let wall = unix_millis(SystemTime::now());
+            let row = LockRow::read(&tx, &req.key)?;
+            let expires = now.saturating_add(ttl_millis(req.ttl));
+            if let Some(row) = &row {
+                match row.live_owner(now, boot) {
+                    Some(owner) if owner == req.owner => {
+                        tx.execute(
+                            "UPDATE fencelock_locks SET expires_at = ?2, renewed_at = ?3 WHERE key = ?1",
+                            params![req.key, expires, wall],
+                        )?;
+                        tx.commit()?;
+                        return Ok(Attempt::Granted(FencingToken::new(
+                            u64::try_from(row.token).unwrap_or(0),
+                        )));
+                    }
+                    Some(_) => {
+                        let holder = row.holder(now);
+                        return Ok(Attempt::Held {
+                            retry_in: holder.ttl_left,
+                            holder: Some(holder),
+                        });
+                    }
+                    None => {}
+                }
+            }
+            let token = row.map_or(0, |r| r.token).saturating_add(1);
+            tx.execute(
+                "INSERT INTO fencelock_locks
+                   (key, token, owner, boot_id, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10)
+                 ON CONFLICT(key) DO UPDATE SET
+                   token = excluded.token, owner = excluded.owner, boot_id = excluded.boot_id,
+                   expires_at = excluded.expires_at, ttl_ms = excluded.ttl_ms, host = excluded.host,
+                   pid = excluded.pid, client = excluded.client, acquired_at = excluded.acquired_at,
+                   renewed_at = excluded.renewed_at",
+                params![
+                    req.key,
+                    token,
+                    req.owner,
+                    boot,
+                    expires,
+                    ttl_millis(req.ttl),
+                    req.meta.host,
+                    req.meta.pid,
+                    req.meta.client,
+                    wall
+                ],
+            )?;
+            tx.commit()?;
+            Ok(Attempt::Granted(FencingToken::new(u64::try_from(token).unwrap_or(0))))
+        })
+        .await
+    }
+
+    async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
+        let batch = batch.to_vec();
+        self.with_conn(move |conn, boot| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let now = boot_millis();
+            let wall = unix_millis(SystemTime::now());
+            let mut out = Vec::with_capacity(batch.len());
+            {
+                let mut stmt = tx.prepare_cached(
+                    "UPDATE fencelock_locks SET expires_at = ?4, ttl_ms = ?5, renewed_at = ?6
+                     WHERE key = ?1 AND owner = ?2 AND boot_id = ?3 AND expires_at > ?7",
+                )?;
+                for r in &batch {
+                    let ttl = ttl_millis(r.ttl);
+                    let n = stmt.execute(params![
+                        r.key,
+                        r.owner,
+                        boot,
+                        now.saturating_add(ttl),
+                        ttl,
+                        wall,
+                        now
+                    ])?;
+                    out.push(if n == 1 {
+                        Renewed::Extended
+                    } else {
+                        Renewed::NotHolder
+                    });
+                }
+            }
+            tx.commit()?;
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn release(&self, key: &str, owner: &str) -> Result<bool> {
+        let key = key.to_owned();
+        let owner = owner.to_owned();
+        self.with_conn(move |conn, boot| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let now = boot_millis();
+            let Some(row) = LockRow::read(&tx, &key)? else {
+                return Ok(false);
+            };
+            if row.owner.as_deref() != Some(owner.as_str()) {
+                return Ok(false);
+            }
+            let was_live = row.live_owner(now, boot).is_some();
+            tx.execute(
+                "UPDATE fencelock_locks SET owner = NULL, boot_id = NULL, expires_at = NULL
+                 WHERE key = ?1 AND owner = ?2",
+                params![key, owner],
+            )?;
+            tx.commit()?;
+            Ok(was_live)
+        })
+        .await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Option<Holder>> {
+        let key = key.to_owned();
+        self.with_conn(move |conn, boot| {
+            let now = boot_millis();
+            let row = LockRow::read(conn, &key)?;
+            Ok(row.and_then(|r| r.live_owner(now, boot).is_some().then(|| r.holder(now))))
+        })
+        .await
+    }
+}

@@ -1,0 +1,289 @@
+//! One renewal task per client, serving all its leases.
+//!
+//! Renewals that fall due close together are coalesced into one engine call (one call per node
+//! for engines with several): a lease is renewed early when its renewal is due within a quarter
+//! of its cadence of the one that woke the task. After one such early round, leases of the same
+//! TTL renew in lock step, so ten thousand leases cost a handful of calls per TTL/3, not ten
+//! thousand.
+//!
+//! The task also enforces the end of every validity window: a lease whose deadline passes
+//! without a confirmed renewal is marked lost even while a renewal call is still hanging.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::engine::{Engine, Renewal, Renewed};
+use crate::error::{Error, Result};
+use crate::lease::LeaseState;
+use crate::options::{drift, renew_interval};
+
+/// Consecutive failed renewals after which a lease is declared lost.
+const MAX_FAILED_RENEWALS: u32 = 2;
+
+struct Entry {
+    lease: Arc<LeaseState>,
+    auto_renew: bool,
+    next_renew: Instant,
+    failures: u32,
+    in_flight: bool,
+}
+
+struct Shared {
+    entries: Mutex<HashMap<u64, Entry>>,
+    changed: Notify,
+    engine: Arc<dyn Engine>,
+    op_timeout: Duration,
+    tasks: TaskTracker,
+}
+
+pub(crate) struct Watchdog {
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+}
+
+struct BatchResult {
+    ids: Vec<u64>,
+    started: Instant,
+    outcome: Result<Vec<Renewed>>,
+}
+
+impl Watchdog {
+    pub(crate) fn start(engine: Arc<dyn Engine>, op_timeout: Duration, tasks: TaskTracker) -> Self {
+        let shared = Arc::new(Shared {
+            entries: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+            engine,
+            op_timeout,
+            tasks,
+        });
+        let shutdown = CancellationToken::new();
+        tokio::spawn(run(shared.clone(), shutdown.clone()));
+        Watchdog { shared, shutdown }
+    }
+
+    pub(crate) fn register(&self, lease: Arc<LeaseState>, auto_renew: bool) {
+        let next_renew = Instant::now() + renew_interval(lease.ttl);
+        self.shared.lock().insert(
+            lease.id,
+            Entry {
+                lease,
+                auto_renew,
+                next_renew,
+                failures: 0,
+                in_flight: false,
+            },
+        );
+        self.shared.changed.notify_one();
+    }
+
+    pub(crate) fn unregister(&self, id: u64) {
+        self.shared.lock().remove(&id);
+    }
+
+    /// Records a renewal confirmed outside the watchdog (an explicit `extend`).
+    pub(crate) fn confirmed(&self, id: u64, started: Instant) {
+        if let Some(e) = self.shared.lock().get_mut(&id) {
+            apply_success(e, started);
+        }
+        self.shared.changed.notify_one();
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn next_wake(&self) -> Option<Instant> {
+        self.lock()
+            .values()
+            .flat_map(|e| {
+                let renew = (e.auto_renew && !e.in_flight).then_some(e.next_renew);
+                [Some(e.lease.deadline()), renew]
+            })
+            .flatten()
+            .min()
+    }
+
+    fn expire(&self, now: Instant) {
+        self.lock().retain(|_, e| {
+            if now >= e.lease.deadline() {
+                e.lease
+                    .mark_lost("its validity ended without a confirmed renewal".to_owned());
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    fn take_due(&self, now: Instant) -> Option<(Vec<u64>, Vec<Renewal>)> {
+        let mut entries = self.lock();
+        let earliest = entries
+            .values()
+            .filter(|e| e.auto_renew && !e.in_flight)
+            .map(|e| e.next_renew)
+            .min()?;
+        if earliest > now {
+            return None;
+        }
+        let mut ids = Vec::new();
+        let mut batch = Vec::new();
+        for (id, e) in entries.iter_mut() {
+            if e.auto_renew && !e.in_flight && e.next_renew <= now + renew_interval(e.lease.ttl) / 4
+            {
+                e.in_flight = true;
+                ids.push(*id);
+                batch.push(Renewal {
+                    key: e.lease.key.clone(),
+                    owner: e.lease.owner.clone(),
+                    ttl: e.lease.ttl,
+                });
+            }
+        }
+        Some((ids, batch))
+    }
+
+    fn apply(&self, result: BatchResult) {
+        let now = Instant::now();
+        let mut entries = self.lock();
+        let outcomes: Vec<Result<Renewed, String>> = match &result.outcome {
+            Ok(v) if v.len() == result.ids.len() => v.iter().map(|r| Ok(*r)).collect(),
+            Ok(v) => vec![
+                Err(format!(
+                    "the engine answered {} renewals for {} leases",
+                    v.len(),
+                    result.ids.len()
+                ));
+                result.ids.len()
+            ],
+            Err(e) => vec![Err(e.to_string()); result.ids.len()],
+        };
+        for (id, outcome) in result.ids.iter().zip(outcomes) {
+            let Some(e) = entries.get_mut(id) else {
+                continue;
+            };
+            e.in_flight = false;
+            if now >= e.lease.deadline() {
+                e.lease
+                    .mark_lost("its validity ended before a renewal was confirmed".to_owned());
+                entries.remove(id);
+                continue;
+            }
+            match outcome {
+                Ok(Renewed::Extended) => apply_success(e, result.started),
+                Ok(Renewed::NotHolder) => {
+                    e.lease.mark_lost(
+                        "the engine no longer lists this owner as holder: the lock expired or \
+                         was taken or force-released"
+                            .to_owned(),
+                    );
+                    entries.remove(id);
+                }
+                Err(msg) => {
+                    e.failures += 1;
+                    tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");
+                    if e.failures >= MAX_FAILED_RENEWALS {
+                        e.lease.mark_lost(format!(
+                            "{} renewals in a row failed, the last with: {msg}",
+                            e.failures
+                        ));
+                        let lease = e.lease.clone();
+                        entries.remove(id);
+                        self.release_in_background(lease);
+                    } else {
+                        // Retrying after half a cadence, with calls capped at half a cadence,
+                        // puts the second failure at 5/6 of the TTL at the latest: the lease is
+                        // declared lost while it is still valid, not when it has already ended.
+                        e.next_renew = now + renew_interval(e.lease.ttl) / 2;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A lease declared lost after failed renewals may still be ours on the engine; releasing
+    /// it (owner-checked) frees the resource sooner than its expiry would.
+    fn release_in_background(self: &Shared, lease: Arc<LeaseState>) {
+        let engine = self.engine.clone();
+        let op_timeout = self.op_timeout;
+        self.tasks.spawn(async move {
+            let _ =
+                tokio::time::timeout(op_timeout, engine.release(&lease.key, &lease.owner)).await;
+        });
+    }
+}
+
+fn apply_success(e: &mut Entry, started: Instant) {
+    let ttl = e.lease.ttl;
+    let deadline = started + ttl.saturating_sub(drift(ttl));
+    if deadline > e.lease.deadline() {
+        e.lease.set_deadline(deadline);
+    }
+    e.failures = 0;
+    e.next_renew = started + renew_interval(ttl);
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<BatchResult>();
+    loop {
+        let wake = shared.next_wake();
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = shared.changed.notified() => {}
+            Some(result) = rx.recv() => shared.apply(result),
+            _ = sleep_until(wake) => {}
+        }
+        let now = Instant::now();
+        shared.expire(now);
+        if let Some((ids, batch)) = shared.take_due(now) {
+            let call_timeout = batch
+                .iter()
+                .map(|r| renew_interval(r.ttl) / 2)
+                .min()
+                .unwrap_or(shared.op_timeout)
+                .min(shared.op_timeout);
+            let engine = shared.engine.clone();
+            let tx = tx.clone();
+            // Renewals are not cleanup work: `Client::close` must not wait on them.
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let outcome = match tokio::time::timeout(call_timeout, engine.extend(&batch)).await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(Error::engine_failure(
+                        engine.kind(),
+                        format!(
+                            "no answer to a renewal within {}",
+                            crate::options::display_duration(call_timeout)
+                        ),
+                    )),
+                };
+                let _ = tx.send(BatchResult {
+                    ids,
+                    started,
+                    outcome,
+                });
+            });
+        }
+    }
+}

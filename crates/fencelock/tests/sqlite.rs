@@ -1,0 +1,333 @@
+//! The SQLite engine and the engine-independent core, against real database files.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencelock::{Client, ErrorKind, LockOptions};
+use tokio::time::{timeout, Instant};
+
+fn url(dir: &tempfile::TempDir) -> String {
+    format!("sqlite://{}/locks.db", dir.path().display())
+}
+
+async fn client(dir: &tempfile::TempDir) -> Client {
+    Client::connect(&url(dir)).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_and_token_order_under_contention() {
+    let dir = tempfile::tempdir().unwrap();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..12 {
+        // One client each: separate connections, as separate processes would have.
+        let c = client(&dir).await;
+        let inside = inside.clone();
+        let grants = grants.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default()
+                .ttl(Duration::from_secs(5))
+                .wait(Duration::from_secs(30));
+            for _ in 0..5 {
+                let lease = c.acquire("shared", &opts).await.unwrap();
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
+                grants.lock().unwrap().push(lease.token().get());
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
+    }
+    let grants = grants.lock().unwrap().clone();
+    assert_eq!(grants.len(), 60);
+    assert!(
+        grants.windows(2).all(|w| w[0] < w[1]),
+        "tokens not strictly increasing in grant order: {grants:?}"
+    );
+}
+
+#[tokio::test]
+async fn tokens_keep_increasing_across_client_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut last = 0;
+    for _ in 0..3 {
+        let c = client(&dir).await;
+        let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
+        assert!(lease.token().get() > last);
+        last = lease.token().get();
+        lease.release().await.unwrap();
+        c.close().await;
+    }
+}
+
+#[tokio::test]
+async fn holder_metadata_is_recorded_and_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Client::builder(url(&dir))
+        .client_name("invoice-worker")
+        .connect()
+        .await
+        .unwrap();
+    let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
+    let other = client(&dir).await;
+    let h = other.inspect("job").await.unwrap().expect("held");
+    assert_eq!(h.owner, lease.owner());
+    assert_eq!(h.token, Some(lease.token()));
+    assert_eq!(h.pid, Some(std::process::id()));
+    assert_eq!(h.client.as_deref(), Some("invoice-worker"));
+    assert!(h.host.is_some_and(|h| !h.is_empty()));
+    assert!(h.acquired_at.is_some() && h.renewed_at.is_some());
+    assert!(h.ttl_left.unwrap() <= Duration::from_secs(30));
+
+    let e = other
+        .try_acquire("job", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    assert_eq!(e.holder().map(|h| h.owner.as_str()), Some(lease.owner()));
+    assert!(e.to_string().contains("invoice-worker"), "{e}");
+
+    lease.release().await.unwrap();
+    assert!(other.inspect("job").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn stale_owner_cannot_extend_or_release_a_successor() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = client(&dir).await;
+    let b = client(&dir).await;
+    let short = LockOptions::default()
+        .ttl(Duration::from_millis(150))
+        .auto_renew(false);
+    let old = a.try_acquire("r", &short).await.unwrap();
+    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
+    assert!(old.is_lost());
+    let successor = b
+        .acquire("r", &LockOptions::default().wait(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    assert!(successor.token() > old.token());
+
+    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
+    assert_eq!(
+        old.release().await.unwrap_err().kind(),
+        ErrorKind::NotHolder
+    );
+    let h = b
+        .inspect("r")
+        .await
+        .unwrap()
+        .expect("successor still holds");
+    assert_eq!(h.owner, successor.owner());
+    successor.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn lease_without_renewal_is_lost_when_validity_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = client(&dir).await;
+    let ttl = Duration::from_millis(300);
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl).auto_renew(false))
+        .await
+        .unwrap();
+    let valid_until = lease.valid_until();
+    assert!(valid_until <= Instant::now() + ttl);
+    let out = timeout(
+        Duration::from_secs(3),
+        lease.run(std::future::pending::<()>()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.unwrap_err().kind(), ErrorKind::LeaseLost);
+    // Lost no later than the end of validity (plus timer slack), and not much earlier.
+    let now = Instant::now();
+    assert!(now >= valid_until, "lost before validity ended");
+    assert!(now < valid_until + Duration::from_millis(200));
+}
+
+#[tokio::test]
+async fn watchdog_keeps_a_lease_for_ten_ttls() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = client(&dir).await;
+    let other = client(&dir).await;
+    let ttl = Duration::from_millis(200);
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    // The work under the lease lasts ten TTLs; the lease must survive it.
+    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
+    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
+    assert!(!lease.is_lost());
+    assert_eq!(
+        other.inspect("r").await.unwrap().map(|h| h.owner),
+        Some(lease.owner().to_owned())
+    );
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn renewals_blocked_by_the_engine_mark_the_lease_lost_before_validity_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Client::builder(url(&dir))
+        .op_timeout(Duration::from_millis(150))
+        .connect()
+        .await
+        .unwrap();
+    let ttl = Duration::from_millis(900);
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    let valid_until = lease.valid_until();
+    // Another connection takes the database's write lock and keeps it: every renewal times out.
+    let path = dir.path().join("locks.db");
+    let blocker = std::thread::spawn(move || {
+        let conn = rusqlite_like_blocker(&path);
+        std::thread::sleep(Duration::from_secs(2));
+        drop(conn);
+    });
+    timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
+    assert!(
+        Instant::now() < valid_until,
+        "lease reported lost only after its validity ended"
+    );
+    blocker.join().unwrap();
+}
+
+/// Holds an exclusive transaction on the database file, as a stuck writer would.
+fn rusqlite_like_blocker(path: &std::path::Path) -> std::process::Child {
+    let mut child = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sqlite3,sys,time\n\
+             c=sqlite3.connect(sys.argv[1],isolation_level=None)\n\
+             c.execute('BEGIN EXCLUSIVE')\n\
+             print('locked',flush=True)\n\
+             time.sleep(2)\n",
+        )
+        .arg(path)
+        .stdout(std::process::Stdio::piped())
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    use std::io::BufRead;
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "locked");
+    child
+}
+
+#[tokio::test]
+async fn dropping_a_waiting_acquire_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let holder_client = client(&dir).await;
+    let waiter_client = client(&dir).await;
+    let holder = holder_client
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let opts = LockOptions::default().wait(Duration::from_secs(30));
+    let waiting = waiter_client.acquire("r", &opts);
+    assert!(timeout(Duration::from_millis(100), waiting).await.is_err());
+    holder.release().await.unwrap();
+    waiter_client.close().await;
+    assert!(waiter_client.inspect("r").await.unwrap().is_none());
+}
+
+/// Polls a future once and drops it, as a `select!` that picks another branch would.
+async fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+#[tokio::test]
+async fn dropping_an_acquire_in_flight_leaves_nothing_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = client(&dir).await;
+    for i in 0..20 {
+        let name = format!("r{i}");
+        // Polled once: the attempt is sent to the engine, then the future is dropped.
+        let dropped = poll_once(c.try_acquire(&name, &LockOptions::default())).await;
+        assert!(dropped.is_none(), "the attempt finished in one poll");
+        c.close().await;
+        assert!(
+            c.inspect(&name).await.unwrap().is_none(),
+            "{name} left held"
+        );
+    }
+}
+
+#[tokio::test]
+async fn dropping_a_lease_stops_renewal_and_lets_it_expire() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = client(&dir).await;
+    let b = client(&dir).await;
+    let ttl = Duration::from_millis(200);
+    let lease = a
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    drop(lease);
+    let started = Instant::now();
+    let next = b
+        .acquire("r", &LockOptions::default().wait(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1));
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn invalid_input_is_rejected_before_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = client(&dir).await;
+    for name in ["", "a\nb", &"x".repeat(300)] {
+        let e = c
+            .try_acquire(name, &LockOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+    let e = c
+        .try_acquire("ok", &LockOptions::default().ttl(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    for bad in ["ftp://x", "sqlite://relative", "nonsense"] {
+        let e = Client::connect(bad).await.err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{bad}");
+    }
+}
+
+#[tokio::test]
+async fn unwritable_database_is_an_engine_error() {
+    let e = Client::connect("sqlite:///proc/fencelock-cannot-write/locks.db")
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::Engine);
+    assert!(
+        e.to_string().contains("/proc/fencelock-cannot-write"),
+        "{e}"
+    );
+}
