@@ -46,6 +46,13 @@ pub struct BackendArg {
 enum Command {
     /// Run a command while holding a lock, like flock(1) across machines.
     Run(RunArgs),
+    /// Print the engine keys a resource name maps to, so other tools can take the same lock.
+    Key {
+        /// Resource name.
+        name: String,
+        #[command(flatten)]
+        backend: BackendArg,
+    },
     /// Show who holds a lock.
     Inspect {
         /// Resource name.
@@ -143,6 +150,15 @@ async fn inspect(name: &str, backend: &BackendArg) -> Result<u8> {
     Ok(0)
 }
 
+async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
+    fencelock::validate_name(name).map_err(fail)?;
+    let client = connect(backend, "fencelock-key").await?;
+    for (label, key) in client.keys_for(name).map_err(fail)? {
+        println!("{label}\t{key}");
+    }
+    Ok(0)
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -174,6 +190,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run::run(args).await,
             Command::Inspect { name, backend } => inspect(&name, &backend).await,
+            Command::Key { name, backend } => key(&name, &backend).await,
         }
     });
     match result {

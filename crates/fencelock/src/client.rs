@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::backend::{self, Backend};
-use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::holder::{Holder, HolderMeta};
 use crate::lease::{Lease, LeaseState};
@@ -31,7 +31,6 @@ pub struct Client {
 pub(crate) struct ClientInner {
     pub(crate) engine: Arc<dyn Engine>,
     pub(crate) watchdog: Watchdog,
-    prefix: String,
     meta: HolderMeta,
     max_ttl: Duration,
     op_timeout: Duration,
@@ -87,14 +86,18 @@ impl ClientBuilder {
             return Err(Error::invalid("the operation timeout must be positive"));
         }
         let backend = backend::parse(&self.url)?;
-        let engine = open_engine(backend, self.op_timeout).await?;
+        let cfg = EngineConfig {
+            prefix: self.prefix,
+            op_timeout: self.op_timeout,
+            max_ttl: self.max_ttl,
+        };
+        let engine = open_engine(backend, &cfg).await?;
         let cleanup = TaskTracker::new();
         let watchdog = Watchdog::start(engine.clone(), self.op_timeout, cleanup.clone());
         Ok(Client {
             inner: Arc::new(ClientInner {
                 engine,
                 watchdog,
-                prefix: self.prefix,
                 meta: HolderMeta::current(self.client_name),
                 max_ttl: self.max_ttl,
                 op_timeout: self.op_timeout,
@@ -106,21 +109,21 @@ impl ClientBuilder {
     }
 }
 
-async fn open_engine(backend: Backend, op_timeout: Duration) -> Result<Arc<dyn Engine>> {
+async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
     match backend {
         #[cfg(feature = "sqlite")]
         Backend::Sqlite { path } => Ok(Arc::new(
-            crate::sqlite::SqliteEngine::open(path, op_timeout).await?,
+            crate::sqlite::SqliteEngine::open(path, cfg).await?,
         )),
         #[cfg(not(feature = "sqlite"))]
         Backend::Sqlite { .. } => Err(Error::invalid(
             "this build of fencelock lacks the `sqlite` feature",
         )),
         #[cfg(feature = "redis")]
-        Backend::Redis { .. } => crate::redis::open(backend, op_timeout).await,
+        Backend::Redis { .. } => crate::redis::open(backend, cfg).await,
         #[cfg(not(feature = "redis"))]
         Backend::Redis { .. } => {
-            let _ = op_timeout;
+            let _ = cfg;
             Err(Error::invalid(
                 "this build of fencelock lacks the `redis` feature",
             ))
@@ -156,10 +159,11 @@ impl Client {
         &self.inner.url
     }
 
-    /// The engine key a resource name maps to.
-    pub fn key_for(&self, name: &str) -> Result<String> {
+    /// The engine keys a resource name maps to, labelled (`lock`, `fence`, ...), so that other
+    /// tools can take or inspect the same lock.
+    pub fn keys_for(&self, name: &str) -> Result<Vec<(&'static str, String)>> {
         validate_name(name)?;
-        Ok(format!("{}{name}", self.inner.prefix))
+        Ok(self.inner.engine.keys(name))
     }
 
     /// Acquires `name`, waiting up to `opts.wait` while another owner holds it.
@@ -180,8 +184,8 @@ impl Client {
 
     /// The current holder of `name`, if the lock is held.
     pub async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
-        let key = self.key_for(name)?;
-        self.call(name, self.inner.engine.inspect(&key)).await
+        validate_name(name)?;
+        self.call(name, self.inner.engine.inspect(name)).await
     }
 
     /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost
@@ -216,21 +220,24 @@ impl Client {
         let inner = &self.inner;
         let engine = inner.engine.kind();
         let ttl = opts.ttl_value();
+        let (min_backoff, max_backoff) = opts.backoff_bounds();
         let req = AcquireRequest {
-            key: format!("{}{name}", inner.prefix),
+            name: name.to_owned(),
             owner: format!("{:032x}", rand::random::<u128>()),
             ttl,
             meta: inner.meta.clone(),
+            fair: opts
+                .fair_value()
+                .then(|| max_backoff * 4 + inner.op_timeout),
         };
         let mut pending = Pending {
             client: inner.clone(),
-            key: req.key.clone(),
+            name: req.name.clone(),
             owner: req.owner.clone(),
             armed: false,
         };
         let deadline = Instant::now() + wait;
         let call_timeout = inner.op_timeout.min(ttl);
-        let (min_backoff, max_backoff) = opts.backoff_bounds();
         let mut backoff = min_backoff;
         loop {
             let started = Instant::now();
@@ -238,7 +245,7 @@ impl Client {
             let outcome = inner
                 .call(name, call_timeout, inner.engine.try_acquire(&req))
                 .await;
-            let (last, hint) = match outcome {
+            let (last, hint, wake) = match outcome {
                 Ok(Attempt::Granted(token)) => {
                     let elapsed = started.elapsed();
                     match validity(ttl, elapsed).filter(|v| usable(ttl, *v)) {
@@ -247,7 +254,6 @@ impl Client {
                             let state = Arc::new(LeaseState::new(
                                 inner.next_id.fetch_add(1, Ordering::Relaxed),
                                 name.to_owned(),
-                                req.key.clone(),
                                 req.owner.clone(),
                                 token,
                                 ttl,
@@ -270,15 +276,19 @@ impl Client {
                                 ),
                             )
                             .with_resource(name);
-                            (Err(e), None)
+                            (Err(e), None, None)
                         }
                     }
                 }
-                Ok(Attempt::Held { holder, retry_in }) => {
+                Ok(Attempt::Held {
+                    holder,
+                    retry_in,
+                    wake,
+                }) => {
                     pending.armed = false;
-                    (Ok(holder), retry_in)
+                    (Ok(holder), retry_in, wake)
                 }
-                Err(e) if e.kind() == ErrorKind::Engine => (Err(e), None),
+                Err(e) if e.kind() == ErrorKind::Engine => (Err(e), None, None),
                 Err(e) => {
                     pending.release_now().await;
                     return Err(e);
@@ -301,10 +311,13 @@ impl Client {
                 pause = pause.min(hint.max(Duration::from_millis(1)));
             }
             backoff = (backoff * 2).min(max_backoff);
-            if last.is_ok() {
-                inner.engine.wait_for_release(&req.key, pause).await;
-            } else {
-                tokio::time::sleep(pause).await;
+            match wake {
+                // A release announcement ends the pause early; the retry then races the
+                // other woken waiters (or, in fair mode, only the head of the queue can win).
+                Some(mut wake) => {
+                    let _ = tokio::time::timeout(pause, wake.changed()).await;
+                }
+                None => tokio::time::sleep(pause).await,
             }
         }
     }
@@ -344,7 +357,7 @@ impl ClientInner {
         }
         let started = Instant::now();
         let batch = [Renewal {
-            key: lease.key.clone(),
+            name: lease.resource.clone(),
             owner: lease.owner.clone(),
             ttl: lease.ttl,
         }];
@@ -379,7 +392,7 @@ impl ClientInner {
             .call(
                 &lease.resource,
                 limit,
-                self.engine.release(&lease.key, &lease.owner),
+                self.engine.release(&lease.resource, &lease.owner),
             )
             .await?;
         if released {
@@ -409,7 +422,7 @@ impl Drop for ClientInner {
 /// acquisition is abandoned in that state, the owner is released so no lock is left behind.
 struct Pending {
     client: Arc<ClientInner>,
-    key: String,
+    name: String,
     owner: String,
     armed: bool,
 }
@@ -417,7 +430,7 @@ struct Pending {
 impl Pending {
     async fn release_now(&mut self) {
         let c = &self.client;
-        let _ = tokio::time::timeout(c.op_timeout, c.engine.release(&self.key, &self.owner)).await;
+        let _ = tokio::time::timeout(c.op_timeout, c.engine.release(&self.name, &self.owner)).await;
         self.armed = false;
     }
 }
@@ -431,12 +444,12 @@ impl Drop for Pending {
             return;
         };
         let client = self.client.clone();
-        let key = std::mem::take(&mut self.key);
+        let name = std::mem::take(&mut self.name);
         let owner = std::mem::take(&mut self.owner);
         self.client.cleanup.spawn_on(
             async move {
                 let _ =
-                    tokio::time::timeout(client.op_timeout, client.engine.release(&key, &owner))
+                    tokio::time::timeout(client.op_timeout, client.engine.release(&name, &owner))
                         .await;
             },
             &handle,

@@ -1,5 +1,7 @@
 //! The small internal trait every engine implements. The core (lease, watchdog, retries,
 //! validity) is written once against it; an engine only knows how to talk to its server.
+//! Engines receive resource names (already validated) and derive their own keys from them and
+//! the client's prefix.
 
 use std::time::Duration;
 
@@ -9,13 +11,28 @@ use crate::error::Result;
 use crate::holder::{Holder, HolderMeta};
 use crate::token::FencingToken;
 
-/// One acquisition attempt as the engine sees it. `key` is the namespaced key (prefix + name).
+/// What every engine is opened with.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineConfig {
+    /// The namespace every key starts with.
+    pub prefix: String,
+    /// Deadline of one engine call.
+    pub op_timeout: Duration,
+    /// The longest TTL any lease of this client may have.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub max_ttl: Duration,
+}
+
+/// One acquisition attempt as the engine sees it.
 #[derive(Debug, Clone)]
 pub(crate) struct AcquireRequest {
-    pub key: String,
+    pub name: String,
     pub owner: String,
     pub ttl: Duration,
     pub meta: HolderMeta,
+    /// FIFO mode: queue behind earlier waiters; the waiter entry lives this long unless the
+    /// waiter tries again.
+    pub fair: Option<Duration>,
 }
 
 /// The engine's answer to one attempt.
@@ -28,13 +45,16 @@ pub(crate) enum Attempt {
     Held {
         holder: Option<Holder>,
         retry_in: Option<Duration>,
+        /// Changes when the engine announces a release of this resource. Subscribed before
+        /// the attempt was sent, so a release right after the answer is not missed.
+        wake: Option<tokio::sync::watch::Receiver<u64>>,
     },
 }
 
 /// One lease to renew in a batch.
 #[derive(Debug, Clone)]
 pub(crate) struct Renewal {
-    pub key: String,
+    pub name: String,
     pub owner: String,
     pub ttl: Duration,
 }
@@ -46,6 +66,8 @@ pub(crate) enum Renewed {
     Extended,
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
+    /// Neither confirmed nor refused (a quorum engine reached too few nodes): a failed renewal.
+    Unconfirmed,
 }
 
 #[async_trait]
@@ -61,14 +83,11 @@ pub(crate) trait Engine: Send + Sync + 'static {
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>>;
 
     /// Owner-checked release. `Ok(true)` when this owner held the key and it was deleted.
-    async fn release(&self, key: &str, owner: &str) -> Result<bool>;
+    async fn release(&self, name: &str, owner: &str) -> Result<bool>;
 
-    /// The current holder of a key, if the lock is held.
-    async fn inspect(&self, key: &str) -> Result<Option<Holder>>;
+    /// The current holder of a resource, if the lock is held.
+    async fn inspect(&self, name: &str) -> Result<Option<Holder>>;
 
-    /// Waits until the engine signals that `key` may have been released, or `max` passes.
-    /// Engines without wake-ups simply sleep, which turns waiting into polling with backoff.
-    async fn wait_for_release(&self, _key: &str, max: Duration) {
-        tokio::time::sleep(max).await;
-    }
+    /// The engine keys (or rows) a resource name maps to, labelled, for `fencelock key`.
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)>;
 }

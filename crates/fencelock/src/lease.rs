@@ -16,7 +16,6 @@ use crate::token::FencingToken;
 pub(crate) struct LeaseState {
     pub id: u64,
     pub resource: String,
-    pub key: String,
     pub owner: String,
     pub token: FencingToken,
     pub ttl: Duration,
@@ -29,7 +28,6 @@ impl LeaseState {
     pub(crate) fn new(
         id: u64,
         resource: String,
-        key: String,
         owner: String,
         token: FencingToken,
         ttl: Duration,
@@ -38,7 +36,6 @@ impl LeaseState {
         LeaseState {
             id,
             resource,
-            key,
             owner,
             token,
             ttl,
@@ -129,11 +126,6 @@ impl Lease {
     /// The TTL the lease was granted (and is renewed) with.
     pub fn ttl(&self) -> Duration {
         self.state.ttl
-    }
-
-    /// The engine key the lease lives under.
-    pub fn key(&self) -> &str {
-        &self.state.key
     }
 
     /// End of the validity window on the local monotonic clock, as of the last confirmed grant

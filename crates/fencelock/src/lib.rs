@@ -62,6 +62,10 @@ mod watchdog;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 mod sqlite;
 
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+mod redis;
+
 pub use backend::{default_sqlite_path, default_url, redact_url};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use error::{Error, ErrorKind, Result};

@@ -24,6 +24,7 @@ pub struct LockOptions {
     retry_min: Duration,
     retry_max: Duration,
     auto_renew: bool,
+    fair: bool,
 }
 
 impl Default for LockOptions {
@@ -36,6 +37,7 @@ impl Default for LockOptions {
             retry_min: Duration::from_millis(5),
             retry_max: Duration::from_millis(250),
             auto_renew: true,
+            fair: false,
         }
     }
 }
@@ -67,6 +69,19 @@ impl LockOptions {
     pub fn auto_renew(mut self, on: bool) -> LockOptions {
         self.auto_renew = on;
         self
+    }
+
+    /// FIFO (fair) mode: waiters are granted the lock in the order they first asked for it.
+    /// Off by default, where woken waiters race and the fastest wins. Engines without a queue
+    /// reject it with [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput).
+    pub fn fair(mut self, on: bool) -> LockOptions {
+        self.fair = on;
+        self
+    }
+
+    /// Whether FIFO mode is on.
+    pub fn fair_value(&self) -> bool {
+        self.fair
     }
 
     /// The TTL these options ask for.

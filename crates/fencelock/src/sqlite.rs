@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
 use crate::token::FencingToken;
@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS fencelock_locks (
 pub(crate) struct SqliteEngine {
     jobs: std::sync::mpsc::Sender<Job>,
     path: Arc<PathBuf>,
+    prefix: String,
 }
 
 type Job = Box<dyn FnOnce(&mut Connection, &str) + Send>;
@@ -139,7 +140,8 @@ impl SqliteEngine {
     /// One thread, one connection and a FIFO queue keep calls in the order they were made: an
     /// owner-checked release sent after an abandoned acquisition always runs after it, so a
     /// cancelled acquire can never leave a lock behind by overtaking.
-    pub(crate) async fn open(path: PathBuf, op_timeout: Duration) -> Result<SqliteEngine> {
+    pub(crate) async fn open(path: PathBuf, cfg: &EngineConfig) -> Result<SqliteEngine> {
+        let op_timeout = cfg.op_timeout;
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (ready_tx, ready) = tokio::sync::oneshot::channel();
         let p = path.clone();
@@ -171,7 +173,13 @@ impl SqliteEngine {
         Ok(SqliteEngine {
             jobs,
             path: Arc::new(path),
+            prefix: cfg.prefix.clone(),
         })
+    }
+
+    /// The row key of a resource: the prefix followed by the name, which is injective.
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
     }
 
     /// Queues `f` on the engine's connection thread. The job is queued during the first poll,
@@ -257,7 +265,18 @@ impl Engine for SqliteEngine {
         ENGINE
     }
 
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
+        vec![("row", self.key(name))]
+    }
+
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        if req.fair.is_some() {
+            return Err(Error::invalid(
+                "fair (FIFO) mode needs an engine with a waiter queue (redis, redlock); \
+                 sqlite grants to whichever waiter retries first",
+            ));
+        }
+        let key = self.key(&req.name);
         let req = req.clone();
         self.with_conn(move |conn, boot| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -265,14 +284,14 @@ impl Engine for SqliteEngine {
             // the commit of the previous holder.
             let now = boot_millis();
             let wall = unix_millis(SystemTime::now());
-            let row = LockRow::read(&tx, &req.key)?;
+            let row = LockRow::read(&tx, &key)?;
             let expires = now.saturating_add(ttl_millis(req.ttl));
             if let Some(row) = &row {
                 match row.live_owner(now, boot) {
                     Some(owner) if owner == req.owner => {
                         tx.execute(
                             "UPDATE fencelock_locks SET expires_at = ?2, renewed_at = ?3 WHERE key = ?1",
-                            params![req.key, expires, wall],
+                            params![key, expires, wall],
                         )?;
                         tx.commit()?;
                         return Ok(Attempt::Granted(FencingToken::new(
@@ -284,6 +303,7 @@ impl Engine for SqliteEngine {
                         return Ok(Attempt::Held {
                             retry_in: holder.ttl_left,
                             holder: Some(holder),
+                            wake: None,
                         });
                     }
                     None => {}
@@ -300,7 +320,7 @@ impl Engine for SqliteEngine {
                    pid = excluded.pid, client = excluded.client, acquired_at = excluded.acquired_at,
                    renewed_at = excluded.renewed_at",
                 params![
-                    req.key,
+                    key,
                     token,
                     req.owner,
                     boot,
@@ -319,7 +339,10 @@ impl Engine for SqliteEngine {
     }
 
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
-        let batch = batch.to_vec();
+        let batch: Vec<(String, Renewal)> = batch
+            .iter()
+            .map(|r| (self.key(&r.name), r.clone()))
+            .collect();
         self.with_conn(move |conn, boot| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let now = boot_millis();
@@ -330,10 +353,10 @@ impl Engine for SqliteEngine {
                     "UPDATE fencelock_locks SET expires_at = ?4, ttl_ms = ?5, renewed_at = ?6
                      WHERE key = ?1 AND owner = ?2 AND boot_id = ?3 AND expires_at > ?7",
                 )?;
-                for r in &batch {
+                for (key, r) in &batch {
                     let ttl = ttl_millis(r.ttl);
                     let n = stmt.execute(params![
-                        r.key,
+                        key,
                         r.owner,
                         boot,
                         now.saturating_add(ttl),
@@ -354,8 +377,8 @@ impl Engine for SqliteEngine {
         .await
     }
 
-    async fn release(&self, key: &str, owner: &str) -> Result<bool> {
-        let key = key.to_owned();
+    async fn release(&self, name: &str, owner: &str) -> Result<bool> {
+        let key = self.key(name);
         let owner = owner.to_owned();
         self.with_conn(move |conn, boot| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -378,8 +401,8 @@ impl Engine for SqliteEngine {
         .await
     }
 
-    async fn inspect(&self, key: &str) -> Result<Option<Holder>> {
-        let key = key.to_owned();
+    async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
+        let key = self.key(name);
         self.with_conn(move |conn, boot| {
             let now = boot_millis();
             let row = LockRow::read(conn, &key)?;

@@ -147,7 +147,7 @@ impl Shared {
                 e.in_flight = true;
                 ids.push(*id);
                 batch.push(Renewal {
-                    key: e.lease.key.clone(),
+                    name: e.lease.resource.clone(),
                     owner: e.lease.owner.clone(),
                     ttl: e.lease.ttl,
                 });
@@ -182,8 +182,11 @@ impl Shared {
                 entries.remove(id);
                 continue;
             }
-            match outcome {
-                Ok(Renewed::Extended) => apply_success(e, result.started),
+            let msg = match outcome {
+                Ok(Renewed::Extended) => {
+                    apply_success(e, result.started);
+                    continue;
+                }
                 Ok(Renewed::NotHolder) => {
                     e.lease.mark_lost(
                         "the engine no longer lists this owner as holder: the lock expired or \
@@ -191,25 +194,26 @@ impl Shared {
                             .to_owned(),
                     );
                     entries.remove(id);
+                    continue;
                 }
-                Err(msg) => {
-                    e.failures += 1;
-                    tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");
-                    if e.failures >= MAX_FAILED_RENEWALS {
-                        e.lease.mark_lost(format!(
-                            "{} renewals in a row failed, the last with: {msg}",
-                            e.failures
-                        ));
-                        let lease = e.lease.clone();
-                        entries.remove(id);
-                        self.release_in_background(lease);
-                    } else {
-                        // Retrying after half a cadence, with calls capped at half a cadence,
-                        // puts the second failure at 5/6 of the TTL at the latest: the lease is
-                        // declared lost while it is still valid, not when it has already ended.
-                        e.next_renew = now + renew_interval(e.lease.ttl) / 2;
-                    }
-                }
+                Ok(Renewed::Unconfirmed) => "too few nodes confirmed the renewal".to_owned(),
+                Err(msg) => msg,
+            };
+            e.failures += 1;
+            tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");
+            if e.failures >= MAX_FAILED_RENEWALS {
+                e.lease.mark_lost(format!(
+                    "{} renewals in a row failed, the last with: {msg}",
+                    e.failures
+                ));
+                let lease = e.lease.clone();
+                entries.remove(id);
+                self.release_in_background(lease);
+            } else {
+                // Retrying after half a cadence, with calls capped at half a cadence, puts the
+                // second failure at 5/6 of the TTL at the latest: the lease is declared lost
+                // while it is still valid, not when it has already ended.
+                e.next_renew = now + renew_interval(e.lease.ttl) / 2;
             }
         }
     }
@@ -220,8 +224,8 @@ impl Shared {
         let engine = self.engine.clone();
         let op_timeout = self.op_timeout;
         self.tasks.spawn(async move {
-            let _ =
-                tokio::time::timeout(op_timeout, engine.release(&lease.key, &lease.owner)).await;
+            let _ = tokio::time::timeout(op_timeout, engine.release(&lease.resource, &lease.owner))
+                .await;
         });
     }
 }

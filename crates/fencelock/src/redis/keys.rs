@@ -1,0 +1,132 @@
+//! Key layout of the Redis engines.
+//!
+//! For a prefix `P` (default `fencelock:v1:`) and a resource name `N`:
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `P lock: N` | string | the holder's owner value, set with `SET key owner NX PX ttl` |
+//! | `P fence: N` | string | the fencing counter (no expiry) |
+//! | `P meta: N` | hash | holder metadata (owner, token, host, pid, client, times), same expiry as the lock |
+//! | `P queue: N`, `P qexp: N`, `P qseq: N` | zset, zset, string | FIFO waiters (fair mode only) |
+//! | `P wake: N` | pub/sub channel | a message on every release |
+//! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
+//!
+//! Every key is the prefix, then a category ending in `:`, then the name verbatim (or nothing,
+//! for `node`). Two keys of different categories differ right after the prefix; two keys of one
+//! category differ exactly where their names differ. So no two distinct names ever share a key,
+//! whatever bytes the names hold (`:`, `{`, `}` included), and no name collides with `node`.
+//! Braces in names are not hash tags here: fencelock does not run against Redis Cluster; Redlock
+//! uses independent nodes.
+
+/// The keys of one resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Keys {
+    pub lock: String,
+    pub fence: String,
+    pub meta: String,
+    pub queue: String,
+    pub qexp: String,
+    pub qseq: String,
+    pub wake: String,
+}
+
+impl Keys {
+    pub(crate) fn new(prefix: &str, name: &str) -> Keys {
+        let k = |category: &str| format!("{prefix}{category}:{name}");
+        Keys {
+            lock: k("lock"),
+            fence: k("fence"),
+            meta: k("meta"),
+            queue: k("queue"),
+            qexp: k("qexp"),
+            qseq: k("qseq"),
+            wake: k("wake"),
+        }
+    }
+
+    pub(crate) fn labelled(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("lock", self.lock.clone()),
+            ("fence", self.fence.clone()),
+            ("meta", self.meta.clone()),
+            ("queue", self.queue.clone()),
+            ("qexp", self.qexp.clone()),
+            ("qseq", self.qseq.clone()),
+            ("wake", self.wake.clone()),
+        ]
+    }
+}
+
+pub(crate) fn node_key(prefix: &str) -> String {
+    format!("{prefix}node")
+}
+
+/// The PSUBSCRIBE pattern matching every wake-up channel under `prefix`, with the prefix's glob
+/// characters escaped so a prefix like `app[1]:` matches only itself.
+pub(crate) fn wake_pattern(prefix: &str) -> String {
+    let mut p = String::with_capacity(prefix.len() + 8);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            p.push('\\');
+        }
+        p.push(c);
+    }
+    p.push_str("wake:*");
+    p
+}
+
+/// The resource name a wake-up channel belongs to.
+pub(crate) fn name_of_wake_channel<'a>(prefix: &str, channel: &'a str) -> Option<&'a str> {
+    channel.strip_prefix(prefix)?.strip_prefix("wake:")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn all(prefix: &str, name: &str) -> Vec<String> {
+        Keys::new(prefix, name)
+            .labelled()
+            .into_iter()
+            .map(|(_, k)| k)
+            .chain([node_key(prefix)])
+            .collect()
+    }
+
+    #[test]
+    fn lookalike_names_share_no_key() {
+        let names = [
+            "a", "a:fence", "{a}", "a}", "fence:a", "lock:a", "", "node", "a:",
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for n in names {
+            for (label, k) in Keys::new("fencelock:v1:", n).labelled() {
+                if let Some(prev) = seen.insert(k.clone(), (n, label)) {
+                    unreachable!("{k} shared by {prev:?} and {:?}", (n, label));
+                }
+            }
+        }
+        assert!(!seen.contains_key(&node_key("fencelock:v1:")));
+    }
+
+    #[test]
+    fn wake_channels_map_back_to_names() {
+        let k = Keys::new("p:", "a:b{c}");
+        assert_eq!(name_of_wake_channel("p:", &k.wake), Some("a:b{c}"));
+        assert_eq!(name_of_wake_channel("p:", "p:lock:x"), None);
+        assert_eq!(wake_pattern("a*[b]:"), "a\\*\\[b\\]:wake:*");
+    }
+
+    proptest! {
+        #[test]
+        fn distinct_names_never_share_a_key(a in "\\PC{1,12}|[a:{}]{1,6}", b in "\\PC{1,12}|[a:{}]{1,6}") {
+            prop_assume!(a != b);
+            let ka = all("fencelock:v1:", &a);
+            let kb = all("fencelock:v1:", &b);
+            for k in &ka[..ka.len() - 1] {
+                prop_assert!(!kb.contains(k), "{} shared by {:?} and {:?}", k, a, b);
+            }
+        }
+    }
+}

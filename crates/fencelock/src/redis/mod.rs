@@ -1,0 +1,693 @@
+//! Redis engines: one node (`redis://`) and Redlock over N independent nodes (`redlock://`).
+//!
+//! Both are one engine with N nodes and a quorum of `N / 2 + 1` (1 for a single node).
+//!
+//! - **Interoperable lock key.** The lock key holds the owner value as a plain string set with
+//!   `NX PX`, so a client in another language using `SET key value NX PX ttl` on the same key
+//!   (see [`keys`] for the layout, or `fencelock key NAME`) excludes fencelock and vice versa.
+//! - **One round trip per node.** A script takes the lock and advances the fencing counter
+//!   atomically; extension and release are owner-checked scripts.
+//! - **Tokens on a quorum.** Each granting node answers `max(counter + 1, floor)`, where the
+//!   floor is the client's clock in microseconds (the server's, for one node). The lease token
+//!   `T` is the maximum over the granting nodes; unless a majority already answered `T`, the
+//!   counter is raised to `T` on a majority before the lease is handed out, so any later
+//!   majority, which intersects that one, grants above `T`. With synchronised clocks the nodes
+//!   answer the same floor and the raise is skipped: one round trip.
+//! - **Delayed restart, done by the client.** Each node keeps a random id in memory (the
+//!   `node` key). When a node answers with a different id than before, it lost its data, and
+//!   with it possibly locks it had granted: its votes do not count for one maximum TTL of this
+//!   client. A client that first meets a node after its restart cannot tell; run Redis with
+//!   `appendfsync always` for correctness locks.
+//! - **Wake-ups.** Release publishes on the resource's wake channel; each client keeps one
+//!   pattern subscription per node and wakes the waiters of that resource. A waiter subscribes
+//!   before it sends its attempt, so a release right after a refusal is never missed; without a
+//!   message it sleeps no longer than the holder's remaining TTL.
+//! - **Fairness.** By default woken waiters race and the fastest wins: no order, and a waiter
+//!   can in principle lose many races in a row. Fair mode ([`LockOptions::fair`]) keeps a FIFO
+//!   queue on the node: the lock is granted to the oldest waiter still asking; a waiter that
+//!   stops asking (crashed, cancelled) leaves the queue after its entry expires, or at once
+//!   when its acquisition is cancelled.
+//!
+//! [`LockOptions::fair`]: crate::LockOptions::fair
+
+pub(crate) mod keys;
+mod scripts;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use futures_util::future::join_all;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::Value;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Backend, RedisNode};
+use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
+use crate::error::{Error, Result};
+use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::token::FencingToken;
+use keys::Keys;
+
+/// Leases per extension script call: keeps each call's argument list and run time small.
+const EXTEND_CHUNK: usize = 1000;
+
+pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
+    let Backend::Redis {
+        tls,
+        quorum,
+        nodes,
+        user,
+        password,
+        db,
+    } = backend
+    else {
+        return Err(Error::invalid("not a Redis backend"));
+    };
+    let kind = if quorum { "redlock" } else { "redis" };
+    if tls {
+        return Err(Error::invalid(
+            "rediss:// (TLS) is not supported by this build yet; use redis:// on a trusted \
+             network or a TLS tunnel",
+        ));
+    }
+    let shutdown = CancellationToken::new();
+    let wakers = Arc::new(Wakers::default());
+    let mut conns = Vec::with_capacity(nodes.len());
+    for node in &nodes {
+        let url = node_url(node, user.as_deref(), password.as_deref(), db);
+        let client = redis::Client::open(url.as_str())
+            .map_err(|e| Error::invalid(format!("node {}:{}: {e}", node.host, node.port)))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(cfg.op_timeout))
+            .set_response_timeout(Some(cfg.op_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(200));
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(|e| {
+                Error::engine_failure(kind, format!("node {}:{}", node.host, node.port))
+                    .with_source(e)
+            })?;
+        tokio::spawn(listen_for_wakeups(
+            client,
+            cfg.prefix.clone(),
+            wakers.clone(),
+            shutdown.clone(),
+        ));
+        conns.push(Node {
+            addr: format!("{}:{}", node.host, node.port),
+            conn,
+            seen: Mutex::new(NodeSeen::default()),
+        });
+    }
+    let engine = RedisEngine {
+        kind,
+        quorum: conns.len() / 2 + 1,
+        nodes: conns,
+        prefix: cfg.prefix.clone(),
+        op_timeout: cfg.op_timeout,
+        max_ttl: cfg.max_ttl,
+        wakers,
+        shutdown,
+    };
+    if !quorum {
+        // One node: fail early with a clear error when it cannot be reached at all.
+        engine.nodes[0].ping(cfg.op_timeout).await.map_err(|e| {
+            Error::engine_failure(
+                kind,
+                format!(
+                    "cannot reach {}; check that the server is up and the URL is right",
+                    engine.nodes[0].addr
+                ),
+            )
+            .with_source(e)
+        })?;
+    }
+    Ok(Arc::new(engine))
+}
+
+fn node_url(node: &RedisNode, user: Option<&str>, password: Option<&str>, db: i64) -> String {
+    use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+    let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
+    let creds = match (user, password) {
+        (Some(u), Some(p)) => format!("{}:{}@", enc(u), enc(p)),
+        (None, Some(p)) => format!(":{}@", enc(p)),
+        (Some(u), None) => format!("{}@", enc(u)),
+        (None, None) => String::new(),
+    };
+    let host = if node.host.contains(':') {
+        format!("[{}]", node.host)
+    } else {
+        node.host.clone()
+    };
+    format!("redis://{creds}{host}:{}/{db}", node.port)
+}
+
+pub(crate) struct RedisEngine {
+    kind: &'static str,
+    nodes: Vec<Node>,
+    quorum: usize,
+    prefix: String,
+    op_timeout: Duration,
+    max_ttl: Duration,
+    wakers: Arc<Wakers>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for RedisEngine {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+#[derive(Default)]
+struct NodeSeen {
+    id: Option<String>,
+    sit_out_until: Option<Instant>,
+}
+
+struct Node {
+    addr: String,
+    conn: ConnectionManager,
+    seen: Mutex<NodeSeen>,
+}
+
+type NodeResult<T> = std::result::Result<T, String>;
+
+impl Node {
+    async fn ping(&self, limit: Duration) -> redis::RedisResult<()> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(limit, redis::cmd("PING").query_async::<String>(&mut conn)).await
+        {
+            Ok(r) => r.map(|_| ()),
+            Err(_) => Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no answer to PING",
+            ))),
+        }
+    }
+
+    /// Runs a script with a deadline; errors become text naming the node.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        inv: redis::ScriptInvocation<'_>,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(limit, inv.invoke_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
+            Err(_) => Err(format!(
+                "{}: no answer within {}",
+                self.addr,
+                crate::options::display_duration(limit)
+            )),
+        }
+    }
+
+    /// Records the node id a node answered with; a changed id means the node restarted without
+    /// its data, so its votes are ignored until `sit_out` has passed.
+    fn observe(&self, id: &str, sit_out: Duration) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        match seen.id.as_deref() {
+            Some(prev) if prev != id => {
+                tracing::warn!(node = %self.addr, "node lost its data (restarted); it sits out of quorum votes for one maximum TTL");
+                seen.sit_out_until = Some(Instant::now() + sit_out);
+                seen.id = Some(id.to_owned());
+            }
+            Some(_) => {}
+            None => seen.id = Some(id.to_owned()),
+        }
+    }
+
+    fn votes(&self) -> bool {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.sit_out_until.is_none_or(|t| Instant::now() >= t)
+    }
+}
+
+/// One node's answer to an acquisition attempt.
+enum NodeAttempt {
+    Granted(u64),
+    Held {
+        holder: Option<Holder>,
+        pttl: Option<Duration>,
+    },
+}
+
+fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn as_string(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        Value::Okay => Some("OK".to_owned()),
+        _ => None,
+    }
+}
+
+fn as_i64(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        other => as_string(other)?.parse().ok(),
+    }
+}
+
+/// Builds a holder from the current lock value, its PTTL and the metadata fields
+/// (owner, token, host, pid, client, acquired_at, renewed_at).
+fn holder_from(owner: String, pttl: Option<Duration>, meta: &Value) -> Holder {
+    let mut h = Holder::bare(owner);
+    h.ttl_left = pttl;
+    if let Value::Array(f) = meta {
+        // Metadata written by another owner (a stale hash) must not be attributed to this one.
+        if f.first().and_then(as_string).as_deref() == Some(h.owner.as_str()) {
+            h.token = f
+                .get(1)
+                .and_then(as_i64)
+                .and_then(|t| u64::try_from(t).ok())
+                .map(FencingToken::new);
+            h.host = f.get(2).and_then(as_string);
+            h.pid = f
+                .get(3)
+                .and_then(as_i64)
+                .and_then(|p| u32::try_from(p).ok());
+            h.client = f.get(4).and_then(as_string);
+            h.acquired_at = f.get(5).and_then(as_i64).map(from_unix_millis);
+            h.renewed_at = f.get(6).and_then(as_i64).map(from_unix_millis);
+        }
+    }
+    h
+}
+
+fn pttl_of(v: Option<&Value>) -> Option<Duration> {
+    v.and_then(as_i64)
+        .and_then(|p| u64::try_from(p).ok())
+        .map(Duration::from_millis)
+}
+
+impl RedisEngine {
+    fn keys(&self, name: &str) -> Keys {
+        Keys::new(&self.prefix, name)
+    }
+
+    /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
+    /// node costs a fraction of the validity, not all of it. One node gets the whole call.
+    fn node_timeout(&self, ttl: Duration) -> Duration {
+        if self.nodes.len() == 1 {
+            self.op_timeout
+        } else {
+            (ttl / 20)
+                .clamp(Duration::from_millis(50), Duration::from_millis(500))
+                .min(self.op_timeout)
+        }
+    }
+
+    async fn acquire_on(
+        &self,
+        node: &Node,
+        req: &AcquireRequest,
+        keys: &Keys,
+        floor: u64,
+        limit: Duration,
+    ) -> NodeResult<NodeAttempt> {
+        let mut inv = scripts::ACQUIRE.prepare_invoke();
+        inv.key(&keys.lock)
+            .key(&keys.fence)
+            .key(&keys.meta)
+            .key(keys::node_key(&self.prefix))
+            .key(&keys.queue)
+            .key(&keys.qexp)
+            .key(&keys.qseq)
+            .arg(&req.owner)
+            .arg(ms(req.ttl))
+            .arg(floor)
+            .arg(format!("{:016x}", rand::random::<u64>()))
+            .arg(&req.meta.host)
+            .arg(req.meta.pid)
+            .arg(&req.meta.client)
+            .arg(unix_millis(SystemTime::now()))
+            .arg(req.fair.map_or(0, ms));
+        let reply: Vec<Value> = node.run(inv, limit).await?;
+        let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
+        let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
+        node.observe(&id, self.max_ttl);
+        match reply.first().and_then(as_i64) {
+            Some(1) => {
+                let token = reply
+                    .get(1)
+                    .and_then(as_string)
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .ok_or_else(bad)?;
+                Ok(NodeAttempt::Granted(token))
+            }
+            Some(0) => {
+                let pttl = pttl_of(reply.get(1));
+                let holder = reply
+                    .get(3)
+                    .and_then(as_string)
+                    .map(|owner| holder_from(owner, pttl, reply.get(4).unwrap_or(&Value::Nil)));
+                Ok(NodeAttempt::Held { holder, pttl })
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    async fn release_on(
+        &self,
+        node: &Node,
+        keys: &Keys,
+        owner: &str,
+        limit: Duration,
+    ) -> NodeResult<bool> {
+        let mut inv = scripts::RELEASE.prepare_invoke();
+        inv.key(&keys.lock)
+            .key(&keys.meta)
+            .key(&keys.queue)
+            .key(&keys.qexp)
+            .arg(owner)
+            .arg(&keys.wake);
+        let n: i64 = node.run(inv, limit).await?;
+        Ok(n == 1)
+    }
+
+    async fn release_everywhere(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        limit: Duration,
+    ) -> Vec<NodeResult<bool>> {
+        join_all(
+            self.nodes
+                .iter()
+                .map(|n| self.release_on(n, keys, owner, limit)),
+        )
+        .await
+    }
+
+    async fn extend_on(&self, node: &Node, batch: &[Renewal]) -> NodeResult<Vec<bool>> {
+        let mut out = Vec::with_capacity(batch.len());
+        let now = unix_millis(SystemTime::now());
+        let limit = self.op_timeout;
+        for chunk in batch.chunks(EXTEND_CHUNK) {
+            let mut inv = scripts::EXTEND.prepare_invoke();
+            inv.arg(now);
+            for r in chunk {
+                let k = self.keys(&r.name);
+                inv.key(k.lock).key(k.meta).arg(&r.owner).arg(ms(r.ttl));
+            }
+            let flags: Vec<i64> = node.run(inv, limit).await?;
+            if flags.len() != chunk.len() {
+                return Err(format!(
+                    "{}: unexpected reply to the extend script",
+                    node.addr
+                ));
+            }
+            out.extend(flags.into_iter().map(|f| f == 1));
+        }
+        Ok(out)
+    }
+
+    fn errors_text(errors: &[String]) -> String {
+        errors.join("; ")
+    }
+}
+
+#[async_trait]
+impl Engine for RedisEngine {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
+        self.keys(name).labelled()
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let keys = self.keys(&req.name);
+        // Subscribed before the attempt is sent: a release announced after the refusal below
+        // changes this receiver even if the waiter has not started waiting yet.
+        let wake = self.wakers.subscribe(&req.name);
+        let limit = self.node_timeout(req.ttl);
+        let floor = if self.nodes.len() == 1 {
+            0
+        } else {
+            unix_micros()
+        };
+        let answers = join_all(
+            self.nodes
+                .iter()
+                .map(|n| self.acquire_on(n, req, &keys, floor, limit)),
+        )
+        .await;
+
+        let mut votes = 0;
+        let mut top = 0u64;
+        let mut holders = Vec::new();
+        let mut errors = Vec::new();
+        let mut granted_any = false;
+        for (node, answer) in self.nodes.iter().zip(&answers) {
+            match answer {
+                Ok(NodeAttempt::Granted(t)) => {
+                    granted_any = true;
+                    top = top.max(*t);
+                    if node.votes() {
+                        votes += 1;
+                    }
+                }
+                Ok(NodeAttempt::Held { holder, pttl }) => holders.push((holder.clone(), *pttl)),
+                Err(e) => errors.push(e.clone()),
+            }
+        }
+
+        if votes >= self.quorum {
+            let agree = self
+                .nodes
+                .iter()
+                .zip(&answers)
+                .filter(|(n, a)| matches!(a, Ok(NodeAttempt::Granted(t)) if *t == top) && n.votes())
+                .count();
+            if agree >= self.quorum {
+                return Ok(Attempt::Granted(FencingToken::new(top)));
+            }
+            // Raise the counter to `top` where it is lower, so a majority holds at least `top`.
+            let raised = join_all(self.nodes.iter().zip(&answers).map(|(n, a)| async move {
+                if matches!(a, Ok(NodeAttempt::Granted(t)) if *t == top) {
+                    return false;
+                }
+                let mut inv = scripts::RAISE.prepare_invoke();
+                inv.key(self.keys(&req.name).fence).arg(top);
+                n.run::<i64>(inv, limit).await.is_ok() && n.votes()
+            }))
+            .await;
+            if agree + raised.iter().filter(|r| **r).count() >= self.quorum {
+                return Ok(Attempt::Granted(FencingToken::new(top)));
+            }
+            errors.push("the fencing counter could not be raised on a majority".to_owned());
+        }
+
+        if granted_any || !errors.is_empty() {
+            // A minority grant (or an answer that never came) must not linger: release it on
+            // every node, including those that timed out.
+            self.release_everywhere(&keys, &req.owner, limit).await;
+        }
+        // Nobody else holds it, or too few nodes answered for any grant to be possible:
+        // that is an engine problem, not contention.
+        if holders.is_empty() || errors.len() > self.nodes.len() - self.quorum {
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "only {votes} of {} nodes granted (quorum {}): {}",
+                    self.nodes.len(),
+                    self.quorum,
+                    Self::errors_text(&errors)
+                ),
+            ));
+        }
+        // The holder most nodes name, and the shortest remaining TTL among them.
+        let mut counts: HashMap<Option<String>, usize> = HashMap::new();
+        for (h, _) in &holders {
+            *counts
+                .entry(h.as_ref().map(|h| h.owner.clone()))
+                .or_default() += 1;
+        }
+        let top_owner = counts.into_iter().max_by_key(|(_, c)| *c).map(|(o, _)| o);
+        let holder = holders
+            .iter()
+            .find(|(h, _)| {
+                top_owner
+                    .as_ref()
+                    .is_some_and(|o| h.as_ref().map(|h| &h.owner) == o.as_ref())
+            })
+            .and_then(|(h, _)| h.clone());
+        let split = granted_any || holders.len() < self.quorum;
+        let retry_in = if split {
+            None
+        } else {
+            holders.iter().filter_map(|(_, p)| *p).min()
+        };
+        Ok(Attempt::Held {
+            holder,
+            retry_in,
+            wake: Some(wake),
+        })
+    }
+
+    async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
+        let per_node = join_all(self.nodes.iter().map(|n| self.extend_on(n, batch))).await;
+        let errors: Vec<String> = per_node
+            .iter()
+            .filter_map(|r| r.as_ref().err().cloned())
+            .collect();
+        if errors.len() == self.nodes.len() {
+            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
+        }
+        let n = self.nodes.len();
+        Ok((0..batch.len())
+            .map(|i| {
+                let yes = per_node
+                    .iter()
+                    .filter(|r| matches!(r, Ok(v) if v[i]))
+                    .count();
+                let no = per_node
+                    .iter()
+                    .filter(|r| matches!(r, Ok(v) if !v[i]))
+                    .count();
+                if yes >= self.quorum {
+                    Renewed::Extended
+                } else if n - no < self.quorum {
+                    Renewed::NotHolder
+                } else {
+                    Renewed::Unconfirmed
+                }
+            })
+            .collect())
+    }
+
+    async fn release(&self, name: &str, owner: &str) -> Result<bool> {
+        let keys = self.keys(name);
+        let answers = self.release_everywhere(&keys, owner, self.op_timeout).await;
+        let errors: Vec<String> = answers
+            .iter()
+            .filter_map(|r| r.as_ref().err().cloned())
+            .collect();
+        if errors.len() == self.nodes.len() {
+            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
+        }
+        let released = answers.iter().filter(|r| matches!(r, Ok(true))).count();
+        Ok(released >= self.quorum)
+    }
+
+    async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
+        let keys = self.keys(name);
+        let limit = self.op_timeout;
+        let answers = join_all(self.nodes.iter().map(|n| {
+            let mut inv = scripts::INSPECT.prepare_invoke();
+            inv.key(&keys.lock).key(&keys.meta);
+            async move { n.run::<Vec<Value>>(inv, limit).await }
+        }))
+        .await;
+        let errors: Vec<String> = answers
+            .iter()
+            .filter_map(|r| r.as_ref().err().cloned())
+            .collect();
+        if errors.len() == self.nodes.len() {
+            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
+        }
+        let holders: Vec<Holder> = answers
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .filter_map(|v| {
+                let owner = v.first().and_then(as_string)?;
+                Some(holder_from(
+                    owner,
+                    pttl_of(v.get(1)),
+                    v.get(2).unwrap_or(&Value::Nil),
+                ))
+            })
+            .collect();
+        // Held means held on a majority: a minority grant is not a lock.
+        let found = holders
+            .iter()
+            .find(|h| holders.iter().filter(|o| o.owner == h.owner).count() >= self.quorum);
+        Ok(found.cloned())
+    }
+}
+
+/// Release announcements, fanned out to the waiters of each resource.
+#[derive(Default)]
+struct Wakers {
+    by_name: Mutex<HashMap<String, watch::Sender<u64>>>,
+}
+
+impl Wakers {
+    fn subscribe(&self, name: &str) -> watch::Receiver<u64> {
+        let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() > 1024 {
+            map.retain(|_, s| s.receiver_count() > 0);
+        }
+        map.entry(name.to_owned())
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
+    }
+
+    fn wake(&self, name: &str) {
+        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = map.get(name) {
+            s.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+}
+
+/// Keeps one pattern subscription to every wake channel under the prefix on one node, and
+/// reconnects when it drops. While it is down, waiters fall back to sleeping.
+async fn listen_for_wakeups(
+    client: redis::Client,
+    prefix: String,
+    wakers: Arc<Wakers>,
+    shutdown: CancellationToken,
+) {
+    let pattern = keys::wake_pattern(&prefix);
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let session = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.psubscribe(&pattern).await?;
+            let mut stream = pubsub.on_message();
+            while let Some(msg) = stream.next().await {
+                if let Some(name) = keys::name_of_wake_channel(&prefix, msg.get_channel_name()) {
+                    wakers.wake(name);
+                }
+            }
+            Ok::<(), redis::RedisError>(())
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = session => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "wake-up subscription lost; reconnecting");
+                } else {
+                    delay = Duration::from_millis(50);
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}

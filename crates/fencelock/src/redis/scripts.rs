@@ -1,0 +1,156 @@
+//! Server-side scripts: each one atomic on its node, one round trip per call.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+/// Acquire, advancing the fencing counter in the same step.
+///
+/// KEYS: lock, fence, meta, node, queue, qexp, qseq.
+/// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, host, pid,
+/// client, now_ms (holder's wall clock), fair waiter ttl_ms (0: not fair).
+///
+/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, {meta fields}}` when
+/// held. A grant to the owner that already holds the key (a retried attempt whose answer was
+/// lost) refreshes it and returns the token it was granted.
+///
+/// Tokens are `max(counter + 1, floor)`: with the floor at the current time in microseconds,
+/// a node that restarted empty still hands out tokens above everything it granted before, as
+/// long as its clock did not step back across the restart.
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local node = redis.call('GET', KEYS[4])
+if not node then
+  node = ARGV[4]
+  redis.call('SET', KEYS[4], node)
+end
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  local tok = redis.call('HGET', KEYS[3], 'token') or redis.call('GET', KEYS[2]) or '0'
+  return {1, tok, node}
+end
+local function held()
+  local meta = redis.call('HMGET', KEYS[3], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at')
+  return {0, redis.call('PTTL', KEYS[1]), node, cur, meta}
+end
+local fair = tonumber(ARGV[9])
+if fair > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)
+  for _, w in ipairs(gone) do
+    redis.call('ZREM', KEYS[5], w)
+    redis.call('ZREM', KEYS[6], w)
+  end
+  local head = redis.call('ZRANGE', KEYS[5], 0, 0)[1]
+  if cur or (head and head ~= ARGV[1]) then
+    if not redis.call('ZSCORE', KEYS[5], ARGV[1]) then
+      redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[7]), ARGV[1])
+    end
+    redis.call('ZADD', KEYS[6], now + fair, ARGV[1])
+    for i = 5, 7 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
+    return held()
+  end
+  if head then
+    redis.call('ZREM', KEYS[5], ARGV[1])
+    redis.call('ZREM', KEYS[6], ARGV[1])
+  end
+elseif cur then
+  return held()
+end
+local floor = tonumber(ARGV[3])
+if floor == 0 then
+  local t = redis.call('TIME')
+  floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local tok = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+if floor > tok then tok = floor end
+local s = string.format('%.0f', tok)
+redis.call('SET', KEYS[2], s)
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[3], 'owner', ARGV[1], 'token', s, 'host', ARGV[5], 'pid', ARGV[6],
+  'client', ARGV[7], 'acquired_at', ARGV[8], 'renewed_at', ARGV[8])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return {1, s, node}
+"#,
+    )
+});
+
+/// Owner-checked extension of many leases in one call.
+///
+/// KEYS: lock1, meta1, lock2, meta2, ... ARGV: now_ms, owner1, ttl1, owner2, ttl2, ...
+/// Reply: one integer per lease, 1 when extended.
+pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local out = {}
+for i = 1, #KEYS / 2 do
+  local lock, meta = KEYS[2 * i - 1], KEYS[2 * i]
+  if redis.call('GET', lock) == ARGV[2 * i] then
+    local ttl = ARGV[2 * i + 1]
+    redis.call('PEXPIRE', lock, ttl)
+    if redis.call('PEXPIRE', meta, ttl) == 1 then
+      redis.call('HSET', meta, 'renewed_at', ARGV[1])
+    end
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"#,
+    )
+});
+
+/// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
+/// announces the change to waiters.
+///
+/// KEYS: lock, meta, queue, qexp. ARGV: owner, wake channel. Reply: 1 when the lock was
+/// this owner's and is now deleted.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local queued = redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('PUBLISH', ARGV[2], '1')
+  return 1
+end
+if queued == 1 then
+  redis.call('PUBLISH', ARGV[2], '0')
+end
+return 0
+"#,
+    )
+});
+
+/// Raises the fencing counter to at least a token (Redlock's second step).
+///
+/// KEYS: fence. ARGV: token. Reply: 1.
+pub(crate) static RAISE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local c = tonumber(redis.call('GET', KEYS[1]) or '0')
+if c < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 1
+"#,
+    )
+});
+
+/// The holder of a lock, atomically with its metadata.
+///
+/// KEYS: lock, meta. Reply: `{holder or nil, pttl, {meta fields}}`.
+pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local meta = redis.call('HMGET', KEYS[2], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at')
+return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), meta}
+"#,
+    )
+});
