@@ -285,7 +285,9 @@ impl Client {
                     retry_in,
                     wake,
                 }) => {
-                    pending.armed = false;
+                    // A fair-mode refusal queued this owner as a waiter: abandoning the
+                    // acquisition must still remove that entry.
+                    pending.armed = req.fair.is_some();
                     (Ok(holder), retry_in, wake)
                 }
                 Err(e) if e.kind() == ErrorKind::Engine => (Err(e), None, None),

@@ -1,0 +1,540 @@
+//! Redis and Redlock engines against real redis-server processes.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencelock::{Client, ErrorKind, LockOptions};
+use fencelock_testkit::{redlock_url, start_redis_nodes, wait_until, RedisServer};
+use tokio::time::{timeout, Instant};
+
+fn cli(server: &RedisServer, args: &[&str]) -> String {
+    let out = server.cli(args).unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+async fn connect(url: &str) -> Client {
+    Client::connect(url).await.unwrap()
+}
+
+/// Many clients, one name: never two holders at once, tokens strictly increasing in the
+/// order the grants happened.
+async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
+    let inside = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let c = connect(url).await;
+        let inside = inside.clone();
+        let grants = grants.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default()
+                .ttl(Duration::from_secs(5))
+                .wait(Duration::from_secs(30));
+            for _ in 0..rounds {
+                let lease = c.acquire("shared", &opts).await.unwrap();
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
+                grants.lock().unwrap().push(lease.token().get());
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
+    }
+    let grants = grants.lock().unwrap().clone();
+    assert_eq!(grants.len(), clients * rounds);
+    assert!(
+        grants.windows(2).all(|w| w[0] < w[1]),
+        "tokens not strictly increasing in grant order: {grants:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_one_node() {
+    let server = RedisServer::start().unwrap();
+    check_mutual_exclusion(&server.url(), 12, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_redlock_three_nodes() {
+    let nodes = start_redis_nodes(3).unwrap();
+    check_mutual_exclusion(&redlock_url(&nodes), 10, 8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_redlock_five_nodes() {
+    let nodes = start_redis_nodes(5).unwrap();
+    check_mutual_exclusion(&redlock_url(&nodes), 8, 6).await;
+}
+
+async fn check_stale_owner(url: &str) {
+    let a = connect(url).await;
+    let b = connect(url).await;
+    let short = LockOptions::default()
+        .ttl(Duration::from_millis(200))
+        .auto_renew(false);
+    let old = a.try_acquire("r", &short).await.unwrap();
+    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
+    let successor = b
+        .acquire("r", &LockOptions::default().wait(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert!(successor.token() > old.token());
+    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
+    assert_eq!(
+        old.release().await.unwrap_err().kind(),
+        ErrorKind::NotHolder
+    );
+    let h = b
+        .inspect("r")
+        .await
+        .unwrap()
+        .expect("successor still holds");
+    assert_eq!(h.owner, successor.owner());
+    assert_eq!(h.token, Some(successor.token()));
+    successor.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn stale_owner_cannot_touch_successor_one_node() {
+    let server = RedisServer::start().unwrap();
+    check_stale_owner(&server.url()).await;
+}
+
+#[tokio::test]
+async fn stale_owner_cannot_touch_successor_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    check_stale_owner(&redlock_url(&nodes)).await;
+}
+
+#[tokio::test]
+async fn minority_grant_is_rolled_back_on_every_node() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let c = connect(&redlock_url(&nodes)).await;
+    let key = c.keys_for("r").unwrap()[0].1.clone();
+    // Another owner holds the key on two nodes: this client can only win the third.
+    for n in &nodes[..2] {
+        assert_eq!(cli(n, &["SET", &key, "other", "NX", "PX", "10000"]), "OK");
+    }
+    let e = c
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    assert_eq!(e.holder().map(|h| h.owner.as_str()), Some("other"));
+    assert_eq!(
+        cli(&nodes[2], &["EXISTS", &key]),
+        "0",
+        "minority grant left behind"
+    );
+    for n in &nodes[..2] {
+        assert_eq!(cli(n, &["GET", &key]), "other");
+    }
+}
+
+#[tokio::test]
+async fn redlock_survives_one_dead_node_and_fails_clearly_without_quorum() {
+    let mut nodes = start_redis_nodes(3).unwrap();
+    let c = connect(&redlock_url(&nodes)).await;
+    nodes[0].kill();
+    let mut last = 0;
+    for _ in 0..5 {
+        let lease = c.try_acquire("r", &LockOptions::default()).await.unwrap();
+        assert!(lease.token().get() > last);
+        last = lease.token().get();
+        lease.release().await.unwrap();
+    }
+    nodes[1].kill();
+    let wait = Duration::from_millis(700);
+    let started = Instant::now();
+    let e = c
+        .acquire("r", &LockOptions::default().wait(wait))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Engine);
+    assert!(e.to_string().contains("only 1 of 3 nodes granted"), "{e}");
+    // Fails at its wait deadline, bounded by one more per-node timeout, not later.
+    assert!(
+        started.elapsed() < wait + Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_hung_node_does_not_stall_acquire_past_its_node_timeout() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let c = connect(&redlock_url(&nodes)).await;
+    // Warm the connections so the pause hits requests, not connection set-up.
+    c.try_acquire("warm", &LockOptions::default())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    nodes[2].pause().unwrap();
+    let ttl = Duration::from_secs(2);
+    let started = Instant::now();
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    // Per-node timeout for a 2 s TTL is 100 ms (TTL / 20); allow scheduling slack.
+    assert!(took < Duration::from_millis(600), "acquire took {took:?}");
+    assert!(lease.time_left() > ttl / 2);
+    nodes[2].resume().unwrap();
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn tokens_increase_across_a_restart_without_persistence_one_node() {
+    let mut server = RedisServer::start().unwrap();
+    let c = connect(&server.url()).await;
+    let first = c.try_acquire("r", &LockOptions::default()).await.unwrap();
+    let t1 = first.token();
+    first.release().await.unwrap();
+    server.restart().unwrap();
+    let after = connect(&server.url()).await;
+    let second = after
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    assert!(second.token() > t1, "{} <= {t1}", second.token());
+    second.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn tokens_increase_across_restarts_of_every_node_redlock() {
+    let mut nodes = start_redis_nodes(3).unwrap();
+    let url = redlock_url(&nodes);
+    let c = connect(&url).await;
+    let first = c.try_acquire("r", &LockOptions::default()).await.unwrap();
+    let t1 = first.token();
+    first.release().await.unwrap();
+    for n in &mut nodes {
+        n.restart().unwrap();
+    }
+    // A fresh client has not seen the old node ids, so nothing sits out.
+    let after = connect(&url).await;
+    let second = after
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    assert!(second.token() > t1, "{} <= {t1}", second.token());
+    second.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restarted_node_sits_out_for_one_maximum_ttl() {
+    let mut nodes = start_redis_nodes(3).unwrap();
+    let max_ttl = Duration::from_secs(2);
+    let c = Client::builder(redlock_url(&nodes))
+        .max_ttl(max_ttl)
+        .connect()
+        .await
+        .unwrap();
+    let opts = LockOptions::default().ttl(Duration::from_secs(1));
+    c.try_acquire("r", &opts)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    nodes[2].restart().unwrap();
+    nodes[0].kill();
+    // Node 1 grants, the restarted node 2 grants but must not count: no quorum.
+    let detected = Instant::now();
+    let e = c.try_acquire("r", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
+    let lease = c
+        .acquire("r", &opts.clone().wait(Duration::from_secs(6)))
+        .await
+        .unwrap();
+    assert!(
+        detected.elapsed() >= max_ttl - Duration::from_millis(100),
+        "the restarted node voted after {:?}",
+        detected.elapsed()
+    );
+    lease.release().await.unwrap();
+}
+
+async fn check_watchdog(url: &str) {
+    let c = connect(url).await;
+    let other = connect(url).await;
+    let ttl = Duration::from_millis(300);
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
+    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
+    assert_eq!(
+        other.inspect("r").await.unwrap().map(|h| h.owner),
+        Some(lease.owner().to_owned())
+    );
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn watchdog_keeps_a_lease_for_ten_ttls_one_node() {
+    let server = RedisServer::start().unwrap();
+    check_watchdog(&server.url()).await;
+}
+
+#[tokio::test]
+async fn watchdog_keeps_a_lease_for_ten_ttls_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    check_watchdog(&redlock_url(&nodes)).await;
+}
+
+#[tokio::test]
+async fn lease_is_lost_before_validity_ends_when_every_node_dies() {
+    for n in [1, 3] {
+        let mut nodes = start_redis_nodes(n).unwrap();
+        let url = if n == 1 {
+            nodes[0].url()
+        } else {
+            redlock_url(&nodes)
+        };
+        let c = connect(&url).await;
+        let lease = c
+            .try_acquire("r", &LockOptions::default().ttl(Duration::from_millis(900)))
+            .await
+            .unwrap();
+        let valid_until = lease.valid_until();
+        for node in &mut nodes {
+            node.kill();
+        }
+        let out = timeout(
+            Duration::from_secs(3),
+            lease.run(std::future::pending::<()>()),
+        )
+        .await
+        .unwrap();
+        assert_eq!(out.unwrap_err().kind(), ErrorKind::LeaseLost);
+        assert!(
+            Instant::now() < valid_until,
+            "{n} node(s): lost only after validity ended"
+        );
+    }
+}
+
+#[tokio::test]
+async fn plain_set_nx_px_and_fencelock_exclude_each_other() {
+    let server = RedisServer::start().unwrap();
+    let c = connect(&server.url()).await;
+    let key = c.keys_for("job").unwrap()[0].1.clone();
+    assert_eq!(key, "fencelock:v1:lock:job");
+
+    assert_eq!(
+        cli(&server, &["SET", &key, "php-worker-7", "NX", "PX", "5000"]),
+        "OK"
+    );
+    let e = c
+        .try_acquire("job", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    assert_eq!(e.holder().unwrap().owner, "php-worker-7");
+    assert!(e.holder().unwrap().ttl_left.unwrap() <= Duration::from_secs(5));
+    assert_eq!(cli(&server, &["DEL", &key]), "1");
+
+    let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
+    assert_eq!(cli(&server, &["GET", &key]), lease.owner());
+    assert_eq!(
+        cli(&server, &["SET", &key, "php-worker-7", "NX", "PX", "5000"]),
+        ""
+    );
+    lease.release().await.unwrap();
+    assert_eq!(
+        cli(&server, &["SET", &key, "php-worker-7", "NX", "PX", "5000"]),
+        "OK"
+    );
+}
+
+#[tokio::test]
+async fn lookalike_names_never_interfere() {
+    let server = RedisServer::start().unwrap();
+    let c = connect(&server.url()).await;
+    let names = ["a", "a:fence", "{a}", "a}", "fence:a", "a:meta"];
+    let mut leases = Vec::new();
+    for n in names {
+        leases.push(c.try_acquire(n, &LockOptions::default()).await.unwrap());
+    }
+    for (n, l) in names.iter().zip(&leases) {
+        let h = c.inspect(n).await.unwrap().unwrap();
+        assert_eq!(h.owner, l.owner(), "{n}");
+        assert_eq!(h.token, Some(l.token()), "{n}");
+    }
+    let a = leases.remove(0);
+    a.release().await.unwrap();
+    for (n, l) in names[1..].iter().zip(&leases) {
+        assert_eq!(c.inspect(n).await.unwrap().unwrap().owner, l.owner(), "{n}");
+    }
+    for l in leases {
+        l.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn release_wakes_a_waiter_without_waiting_out_its_backoff() {
+    let server = RedisServer::start().unwrap();
+    let holder = connect(&server.url()).await;
+    let waiter = connect(&server.url()).await;
+    let lease = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    // Without wake-ups this waiter would sleep 3 s between attempts.
+    let opts = LockOptions::default()
+        .wait(Duration::from_secs(10))
+        .backoff(Duration::from_secs(3), Duration::from_secs(3));
+    let waiting = tokio::spawn(async move {
+        let l = waiter.acquire("r", &opts).await.unwrap();
+        let at = Instant::now();
+        l.release().await.unwrap();
+        at
+    });
+    // Let the waiter make its first attempt and start sleeping.
+    let key = holder.keys_for("r").unwrap()[0].1.clone();
+    let srv = &server;
+    assert!(wait_until(Duration::from_secs(5), || {
+        cli(srv, &["INFO", "commandstats"]).contains("cmdstat_evalsha:calls=2")
+    }));
+    let released = Instant::now();
+    lease.release().await.unwrap();
+    let acquired = timeout(Duration::from_secs(10), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        acquired - released < Duration::from_secs(1),
+        "waiter took {:?} after the release",
+        acquired - released
+    );
+    assert_eq!(cli(&server, &["EXISTS", &key]), "0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fair_mode_grants_in_arrival_order() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let holder = connect(&url).await;
+    let lease = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let queue = holder.keys_for("r").unwrap()[3].1.clone();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let c = connect(&url).await;
+        let order = order.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default()
+                .fair(true)
+                .wait(Duration::from_secs(20));
+            let l = c.acquire("r", &opts).await.unwrap();
+            order.lock().unwrap().push(i);
+            l.release().await.unwrap();
+        }));
+        // The next waiter arrives only once this one is queued.
+        let srv = &server;
+        let q = queue.clone();
+        assert!(wait_until(Duration::from_secs(5), || {
+            cli(srv, &["ZCARD", &q]) == (i + 1).to_string()
+        }));
+    }
+    lease.release().await.unwrap();
+    for t in tasks {
+        timeout(Duration::from_secs(20), t).await.unwrap().unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+}
+
+#[tokio::test]
+async fn a_cancelled_fair_waiter_leaves_no_queue_entry() {
+    let server = RedisServer::start().unwrap();
+    let holder = connect(&server.url()).await;
+    let waiter = connect(&server.url()).await;
+    let lease = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let queue = holder.keys_for("r").unwrap()[3].1.clone();
+    let opts = LockOptions::default()
+        .fair(true)
+        .wait(Duration::from_secs(30));
+    let waiting = waiter.acquire("r", &opts);
+    assert!(timeout(Duration::from_millis(300), waiting).await.is_err());
+    waiter.close().await;
+    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+    lease.release().await.unwrap();
+    assert!(holder.inspect("r").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn renewals_are_batched_into_one_call_per_tick() {
+    let server = RedisServer::start().unwrap();
+    let c = connect(&server.url()).await;
+    let ttl = Duration::from_millis(600);
+    let mut leases = Vec::new();
+    for i in 0..300 {
+        leases.push(
+            c.try_acquire(&format!("r{i}"), &LockOptions::default().ttl(ttl))
+                .await
+                .unwrap(),
+        );
+    }
+    let calls = |s: &RedisServer| -> u64 {
+        let stats = cli(s, &["INFO", "commandstats"]);
+        stats
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let before = calls(&server);
+    tokio::time::sleep(ttl * 4).await;
+    let during = calls(&server) - before;
+    // Four TTLs are twelve renewal ticks; one call per lease would be 3,600.
+    assert!(during <= 40, "{during} script calls renewing 300 leases");
+    for l in &leases {
+        assert!(!l.is_lost());
+    }
+    for l in leases {
+        l.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn unreachable_and_bad_urls_give_clear_errors() {
+    let e = Client::connect("redis://127.0.0.1:1").await.err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Engine);
+    assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+    for bad in [
+        "redlock://127.0.0.1:1,127.0.0.1:2",
+        "redis://h:x",
+        "rediss://127.0.0.1:1",
+    ] {
+        let e = Client::connect(bad).await.err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{bad}: {e}");
+    }
+}
