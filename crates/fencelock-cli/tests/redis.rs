@@ -1,0 +1,157 @@
+//! `fencelock run` against real Redis servers: one node and a Redlock quorum.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fencelock_testkit::{redlock_url, start_redis_nodes, wait_until, RedisServer};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+
+/// A child process killed by pid when the test ends, whatever happened.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn fencelock(url: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env("FENCELOCK_URL", url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+fn runs_and_hands_out_increasing_tokens(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tokens = Vec::new();
+    for i in 0..3 {
+        let out_file = dir.path().join(format!("t{i}"));
+        let script = format!("echo $FENCELOCK_TOKEN > {}", out_file.display());
+        let out = fencelock(url, &["run", "job", "--", "sh", "-c", &script])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        tokens.push(read(&out_file).parse::<u64>().unwrap());
+    }
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+
+    // Held by a running invocation: a second one exits 75 naming the holder.
+    let ready = dir.path().join("ready");
+    let release = dir.path().join("release");
+    let script = format!(
+        "touch {}; while [ ! -e {} ]; do sleep 0.02; done",
+        ready.display(),
+        release.display()
+    );
+    let holder = Proc(
+        fencelock(url, &["run", "job", "--", "sh", "-c", &script])
+            .spawn()
+            .unwrap(),
+    );
+    assert!(wait_until(Duration::from_secs(10), || ready.exists()));
+    let out = fencelock(url, &["run", "job", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("fencelock-run") && stderr.contains("pid"),
+        "{stderr}"
+    );
+    std::fs::write(&release, "").unwrap();
+    let mut holder = holder;
+    let status = holder.0.wait().unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn run_on_one_redis_node() {
+    let server = RedisServer::start().unwrap();
+    runs_and_hands_out_increasing_tokens(&server.url());
+}
+
+#[test]
+fn run_on_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    runs_and_hands_out_increasing_tokens(&redlock_url(&nodes));
+}
+
+#[test]
+fn key_prints_the_lock_key_for_redis_cli() {
+    let server = RedisServer::start().unwrap();
+    let out = fencelock(&server.url(), &["key", "{a}:b"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("lock\tfencelock:v1:lock:{a}:b"), "{text}");
+    assert!(text.contains("fence\tfencelock:v1:fence:{a}:b"), "{text}");
+}
+
+#[test]
+fn run_terminates_its_command_when_every_node_dies() {
+    for n in [1, 3] {
+        let mut nodes = start_redis_nodes(n).unwrap();
+        let url = if n == 1 {
+            nodes[0].url()
+        } else {
+            redlock_url(&nodes)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        let script = format!("touch {}; exec sleep 100", ready.display());
+        let mut child = Proc(
+            fencelock(
+                &url,
+                &["run", "--ttl", "1s", "job", "--", "sh", "-c", &script],
+            )
+            .spawn()
+            .unwrap(),
+        );
+        assert!(wait_until(Duration::from_secs(10), || ready.exists()));
+        for node in &mut nodes {
+            node.kill();
+        }
+        let killed = Instant::now();
+        let mut status = None;
+        assert!(wait_until(Duration::from_secs(5), || {
+            status = child.0.try_wait().unwrap();
+            status.is_some()
+        }));
+        assert_eq!(status.unwrap().code(), Some(79), "{n} node(s)");
+        assert!(
+            killed.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            killed.elapsed()
+        );
+        let mut err = String::new();
+        use std::io::Read;
+        child
+            .0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(err.contains("lost"), "{err}");
+    }
+}
