@@ -1,9 +1,12 @@
 //! Redis and Redlock engines against real redis-server processes.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
 
 use fencelock::{Client, ErrorKind, LockOptions};
 use fencelock_testkit::{redlock_url, start_redis_nodes, wait_until, RedisServer};
@@ -12,49 +15,6 @@ use tokio::time::{timeout, Instant};
 fn cli(server: &RedisServer, args: &[&str]) -> String {
     let out = server.cli(args).unwrap();
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-async fn connect(url: &str) -> Client {
-    Client::connect(url).await.unwrap()
-}
-
-/// Many clients, one name: never two holders at once, tokens strictly increasing in the
-/// order the grants happened.
-async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
-    let inside = Arc::new(AtomicUsize::new(0));
-    let grants = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for _ in 0..clients {
-        let c = connect(url).await;
-        let inside = inside.clone();
-        let grants = grants.clone();
-        tasks.push(tokio::spawn(async move {
-            let opts = LockOptions::default()
-                .ttl(Duration::from_secs(5))
-                .wait(Duration::from_secs(30));
-            for _ in 0..rounds {
-                let lease = c.acquire("shared", &opts).await.unwrap();
-                assert_eq!(
-                    inside.fetch_add(1, Ordering::SeqCst),
-                    0,
-                    "two holders at once"
-                );
-                grants.lock().unwrap().push(lease.token().get());
-                tokio::task::yield_now().await;
-                inside.fetch_sub(1, Ordering::SeqCst);
-                lease.release().await.unwrap();
-            }
-        }));
-    }
-    for t in tasks {
-        timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
-    }
-    let grants = grants.lock().unwrap().clone();
-    assert_eq!(grants.len(), clients * rounds);
-    assert!(
-        grants.windows(2).all(|w| w[0] < w[1]),
-        "tokens not strictly increasing in grant order: {grants:?}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -73,34 +33,6 @@ async fn mutual_exclusion_redlock_three_nodes() {
 async fn mutual_exclusion_redlock_five_nodes() {
     let nodes = start_redis_nodes(5).unwrap();
     check_mutual_exclusion(&redlock_url(&nodes), 8, 6).await;
-}
-
-async fn check_stale_owner(url: &str) {
-    let a = connect(url).await;
-    let b = connect(url).await;
-    let short = LockOptions::default()
-        .ttl(Duration::from_millis(200))
-        .auto_renew(false);
-    let old = a.try_acquire("r", &short).await.unwrap();
-    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
-    let successor = b
-        .acquire("r", &LockOptions::default().wait(Duration::from_secs(3)))
-        .await
-        .unwrap();
-    assert!(successor.token() > old.token());
-    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
-    assert_eq!(
-        old.release().await.unwrap_err().kind(),
-        ErrorKind::NotHolder
-    );
-    let h = b
-        .inspect("r")
-        .await
-        .unwrap()
-        .expect("successor still holds");
-    assert_eq!(h.owner, successor.owner());
-    assert_eq!(h.token, Some(successor.token()));
-    successor.release().await.unwrap();
 }
 
 #[tokio::test]
@@ -263,23 +195,6 @@ async fn a_restarted_node_sits_out_for_one_maximum_ttl() {
         detected.elapsed() >= max_ttl - Duration::from_millis(100),
         "the restarted node voted after {:?}",
         detected.elapsed()
-    );
-    lease.release().await.unwrap();
-}
-
-async fn check_watchdog(url: &str) {
-    let c = connect(url).await;
-    let other = connect(url).await;
-    let ttl = Duration::from_millis(300);
-    let lease = c
-        .try_acquire("r", &LockOptions::default().ttl(ttl))
-        .await
-        .unwrap();
-    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
-    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
-    assert_eq!(
-        other.inspect("r").await.unwrap().map(|h| h.owner),
-        Some(lease.owner().to_owned())
     );
     lease.release().await.unwrap();
 }

@@ -1,8 +1,8 @@
 //! The SQLite engine and the engine-independent core, against real database files.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::Duration;
 
 use fencelock::{Client, ErrorKind, LockOptions};
@@ -19,41 +19,7 @@ async fn client(dir: &tempfile::TempDir) -> Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mutual_exclusion_and_token_order_under_contention() {
     let dir = tempfile::tempdir().unwrap();
-    let inside = Arc::new(AtomicUsize::new(0));
-    let grants = Arc::new(Mutex::new(Vec::new()));
-    let mut tasks = Vec::new();
-    for _ in 0..12 {
-        // One client each: separate connections, as separate processes would have.
-        let c = client(&dir).await;
-        let inside = inside.clone();
-        let grants = grants.clone();
-        tasks.push(tokio::spawn(async move {
-            let opts = LockOptions::default()
-                .ttl(Duration::from_secs(5))
-                .wait(Duration::from_secs(30));
-            for _ in 0..5 {
-                let lease = c.acquire("shared", &opts).await.unwrap();
-                assert_eq!(
-                    inside.fetch_add(1, Ordering::SeqCst),
-                    0,
-                    "two holders at once"
-                );
-                grants.lock().unwrap().push(lease.token().get());
-                tokio::task::yield_now().await;
-                inside.fetch_sub(1, Ordering::SeqCst);
-                lease.release().await.unwrap();
-            }
-        }));
-    }
-    for t in tasks {
-        timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
-    }
-    let grants = grants.lock().unwrap().clone();
-    assert_eq!(grants.len(), 60);
-    assert!(
-        grants.windows(2).all(|w| w[0] < w[1]),
-        "tokens not strictly increasing in grant order: {grants:?}"
-    );
+    common::check_mutual_exclusion(&url(&dir), 12, 5).await;
 }
 
 #[tokio::test]
@@ -104,32 +70,7 @@ async fn holder_metadata_is_recorded_and_shown() {
 #[tokio::test]
 async fn stale_owner_cannot_extend_or_release_a_successor() {
     let dir = tempfile::tempdir().unwrap();
-    let a = client(&dir).await;
-    let b = client(&dir).await;
-    let short = LockOptions::default()
-        .ttl(Duration::from_millis(150))
-        .auto_renew(false);
-    let old = a.try_acquire("r", &short).await.unwrap();
-    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
-    assert!(old.is_lost());
-    let successor = b
-        .acquire("r", &LockOptions::default().wait(Duration::from_secs(2)))
-        .await
-        .unwrap();
-    assert!(successor.token() > old.token());
-
-    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
-    assert_eq!(
-        old.release().await.unwrap_err().kind(),
-        ErrorKind::NotHolder
-    );
-    let h = b
-        .inspect("r")
-        .await
-        .unwrap()
-        .expect("successor still holds");
-    assert_eq!(h.owner, successor.owner());
-    successor.release().await.unwrap();
+    common::check_stale_owner(&url(&dir)).await;
 }
 
 #[tokio::test]
@@ -159,22 +100,7 @@ async fn lease_without_renewal_is_lost_when_validity_ends() {
 #[tokio::test]
 async fn watchdog_keeps_a_lease_for_ten_ttls() {
     let dir = tempfile::tempdir().unwrap();
-    let c = client(&dir).await;
-    let other = client(&dir).await;
-    let ttl = Duration::from_millis(200);
-    let lease = c
-        .try_acquire("r", &LockOptions::default().ttl(ttl))
-        .await
-        .unwrap();
-    // The work under the lease lasts ten TTLs; the lease must survive it.
-    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
-    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
-    assert!(!lease.is_lost());
-    assert_eq!(
-        other.inspect("r").await.unwrap().map(|h| h.owner),
-        Some(lease.owner().to_owned())
-    );
-    lease.release().await.unwrap();
+    common::check_watchdog(&url(&dir)).await;
 }
 
 #[tokio::test]

@@ -424,6 +424,18 @@ impl RedisEngine {
     fn errors_text(errors: &[String]) -> String {
         errors.join("; ")
     }
+
+    /// An engine error naming every node's failure when no node answered at all.
+    fn unless_every_node_failed<T>(&self, answers: &[NodeResult<T>]) -> Result<()> {
+        let errors: Vec<String> = answers
+            .iter()
+            .filter_map(|r| r.as_ref().err().cloned())
+            .collect();
+        if errors.len() == self.nodes.len() {
+            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -548,13 +560,7 @@ impl Engine for RedisEngine {
 
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let per_node = join_all(self.nodes.iter().map(|n| self.extend_on(n, batch))).await;
-        let errors: Vec<String> = per_node
-            .iter()
-            .filter_map(|r| r.as_ref().err().cloned())
-            .collect();
-        if errors.len() == self.nodes.len() {
-            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
-        }
+        self.unless_every_node_failed(&per_node)?;
         let n = self.nodes.len();
         Ok((0..batch.len())
             .map(|i| {
@@ -580,13 +586,7 @@ impl Engine for RedisEngine {
     async fn release(&self, name: &str, owner: &str) -> Result<bool> {
         let keys = self.keys(name);
         let answers = self.release_everywhere(&keys, owner, self.op_timeout).await;
-        let errors: Vec<String> = answers
-            .iter()
-            .filter_map(|r| r.as_ref().err().cloned())
-            .collect();
-        if errors.len() == self.nodes.len() {
-            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
-        }
+        self.unless_every_node_failed(&answers)?;
         let released = answers.iter().filter(|r| matches!(r, Ok(true))).count();
         Ok(released >= self.quorum)
     }
@@ -600,13 +600,7 @@ impl Engine for RedisEngine {
             async move { n.run::<Vec<Value>>(inv, limit).await }
         }))
         .await;
-        let errors: Vec<String> = answers
-            .iter()
-            .filter_map(|r| r.as_ref().err().cloned())
-            .collect();
-        if errors.len() == self.nodes.len() {
-            return Err(Error::engine_failure(self.kind, Self::errors_text(&errors)));
-        }
+        self.unless_every_node_failed(&answers)?;
         let holders: Vec<Holder> = answers
             .iter()
             .filter_map(|r| r.as_ref().ok())

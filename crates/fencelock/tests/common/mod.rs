@@ -1,0 +1,101 @@
+//! Checks every engine must pass, shared by the engine test files.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencelock::{Client, ErrorKind, LockOptions};
+use tokio::time::timeout;
+
+pub async fn connect(url: &str) -> Client {
+    Client::connect(url).await.unwrap()
+}
+
+/// Many clients (separate connections, as separate processes would have), one name: never two
+/// holders at once, tokens strictly increasing in the order the grants happened.
+pub async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
+    let inside = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let c = connect(url).await;
+        let inside = inside.clone();
+        let grants = grants.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default()
+                .ttl(Duration::from_secs(5))
+                .wait(Duration::from_secs(30));
+            for _ in 0..rounds {
+                let lease = c.acquire("shared", &opts).await.unwrap();
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two holders at once"
+                );
+                grants.lock().unwrap().push(lease.token().get());
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
+    }
+    let grants = grants.lock().unwrap().clone();
+    assert_eq!(grants.len(), clients * rounds);
+    assert!(
+        grants.windows(2).all(|w| w[0] < w[1]),
+        "tokens not strictly increasing in grant order: {grants:?}"
+    );
+}
+
+/// A holder whose lease expired can neither extend nor release its successor's lease.
+pub async fn check_stale_owner(url: &str) {
+    let a = connect(url).await;
+    let b = connect(url).await;
+    let short = LockOptions::default()
+        .ttl(Duration::from_millis(200))
+        .auto_renew(false);
+    let old = a.try_acquire("r", &short).await.unwrap();
+    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
+    assert!(old.is_lost());
+    let successor = b
+        .acquire("r", &LockOptions::default().wait(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    assert!(successor.token() > old.token());
+    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
+    assert_eq!(
+        old.release().await.unwrap_err().kind(),
+        ErrorKind::NotHolder
+    );
+    let h = b
+        .inspect("r")
+        .await
+        .unwrap()
+        .expect("successor still holds");
+    assert_eq!(h.owner, successor.owner());
+    assert_eq!(h.token, Some(successor.token()));
+    successor.release().await.unwrap();
+}
+
+/// Work lasting ten TTLs runs to the end under a renewing lease, which stays held.
+pub async fn check_watchdog(url: &str) {
+    let c = connect(url).await;
+    let other = connect(url).await;
+    let ttl = Duration::from_millis(300);
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
+    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
+    assert!(!lease.is_lost());
+    assert_eq!(
+        other.inspect("r").await.unwrap().map(|h| h.owner),
+        Some(lease.owner().to_owned())
+    );
+    lease.release().await.unwrap();
+}
