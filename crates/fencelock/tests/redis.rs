@@ -453,3 +453,20 @@ async fn unreachable_and_bad_urls_give_clear_errors() {
         assert_eq!(e.kind(), ErrorKind::InvalidInput, "{bad}: {e}");
     }
 }
+
+#[tokio::test]
+async fn acl_user_and_password_from_the_url() {
+    let server =
+        RedisServer::start_with(&["--user", "locker", "on", ">s3cr:et", "~*", "&*", "+@all"])
+            .unwrap();
+    let port = server.port();
+    let good = format!("redis://locker:s3cr%3Aet@127.0.0.1:{port}");
+    let c = connect(&good).await;
+    let lease = c.try_acquire("r", &LockOptions::default()).await.unwrap();
+    lease.release().await.unwrap();
+
+    let bad = format!("redis://locker:wrong@127.0.0.1:{port}");
+    let e = Client::connect(&bad).await.err().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Engine);
+    assert!(!e.to_string().contains("wrong"), "password leaked: {e}");
+}
