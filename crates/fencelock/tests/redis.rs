@@ -469,4 +469,5 @@ async fn acl_user_and_password_from_the_url() {
     let e = Client::connect(&bad).await.err().unwrap();
     assert_eq!(e.kind(), ErrorKind::Engine);
     assert!(!e.to_string().contains("wrong"), "password leaked: {e}");
+    assert!(e.to_string().contains("authentication failed"), "{e}");
 }

@@ -117,14 +117,12 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
     if !quorum {
         // One node: fail early with a clear error when it cannot be reached at all.
         engine.nodes[0].ping(cfg.op_timeout).await.map_err(|e| {
-            Error::engine_failure(
-                kind,
-                format!(
-                    "cannot reach {}; check that the server is up and the URL is right",
-                    engine.nodes[0].addr
-                ),
-            )
-            .with_source(e)
+            let hint = if e.kind() == redis::ErrorKind::AuthenticationFailed {
+                "authentication failed; check the user and password in the URL"
+            } else {
+                "cannot connect; check that the server is up and the URL is right"
+            };
+            Error::engine_failure(kind, format!("{}: {hint}", engine.nodes[0].addr)).with_source(e)
         })?;
     }
     Ok(Arc::new(engine))
