@@ -4,9 +4,10 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// The shortest TTL accepted: below it the clock drift allowance and one round trip leave no
-/// useful validity.
-pub const MIN_TTL: Duration = Duration::from_millis(10);
+/// The shortest TTL accepted. Renewal calls get TTL/6 to answer; below 100 ms that is a few
+/// milliseconds, which a loaded machine or a disk sync (SQLite) regularly exceeds, so the lease
+/// would be declared lost while nothing is wrong.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
 
 /// Options for one acquisition. Start from [`LockOptions::default`] and change what you need:
 ///

@@ -234,14 +234,20 @@ fn open_blocking(path: &Path, op_timeout: Duration) -> Result<Connection> {
                 std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => {
+                let hint = match &e {
+                    rusqlite::Error::SqliteFailure(f, _)
+                        if f.code == rusqlite::ErrorCode::DatabaseBusy =>
+                    {
+                        "another process holds its write lock and did not let go (a stopped or \
+                         hung process?)"
+                    }
+                    _ => "check that the path is writable",
+                };
                 return Err(Error::engine_failure(
                     ENGINE,
-                    format!(
-                        "cannot open the lock database {}; check that the path is writable",
-                        path.display()
-                    ),
+                    format!("cannot open the lock database {}; {hint}", path.display()),
                 )
-                .with_source(e))
+                .with_source(e));
             }
         }
     }
