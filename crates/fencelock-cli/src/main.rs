@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
+mod bench;
 mod run;
 
 /// Exit codes, from sysexits(3) where one fits.
@@ -60,6 +61,8 @@ enum Command {
         #[command(flatten)]
         backend: BackendArg,
     },
+    /// Measure the engine: uncontended and contended throughput, renewal load, reference.
+    Bench(bench::BenchArgs),
 }
 
 /// What to do when the lock is held elsewhere and `--wait` runs out.
@@ -191,6 +194,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run::run(args).await,
             Command::Inspect { name, backend } => inspect(&name, &backend).await,
             Command::Key { name, backend } => key(&name, &backend).await,
+            Command::Bench(args) => bench::bench(args).await,
         }
     });
     match result {

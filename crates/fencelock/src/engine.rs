@@ -67,6 +67,7 @@ pub(crate) enum Renewed {
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
     /// Neither confirmed nor refused (a quorum engine reached too few nodes): a failed renewal.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     Unconfirmed,
 }
 

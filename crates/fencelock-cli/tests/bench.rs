@@ -1,0 +1,205 @@
+//! `fencelock bench` as a real process: on a SQLite file and against a real redis-server.
+#![allow(clippy::unwrap_used)]
+
+use std::fs::File;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use fencelock_testkit::{free_port, wait_until, RedisServer};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+
+/// A whole quick bench takes about 25 s against Redis; this only catches a hung one.
+const LIMIT: Duration = Duration::from_secs(180);
+
+struct Finished {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// A bench process, killed by pid if the test ends before it does.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `fencelock bench ARGS` with output in files under `dir`, so a full pipe can never
+/// stall it, and waits up to [`LIMIT`].
+fn bench(dir: &Path, args: &[&str]) -> Finished {
+    let (out, err) = (dir.join("bench.out"), dir.join("bench.err"));
+    let child = Command::new(BIN)
+        .arg("bench")
+        .args(args)
+        .env_remove("FENCELOCK_URL")
+        .env_remove("FENCELOCK_LOG")
+        .stdin(Stdio::null())
+        .stdout(File::create(&out).unwrap())
+        .stderr(File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let mut proc = Proc(child);
+    let mut status: Option<ExitStatus> = None;
+    let done = wait_until(LIMIT, || {
+        status = proc.0.try_wait().unwrap();
+        status.is_some()
+    });
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    assert!(
+        done,
+        "bench {args:?} still running after {LIMIT:?}; stdout so far:\n{}\nstderr:\n{}",
+        read(&out),
+        read(&err)
+    );
+    Finished {
+        code: status.and_then(|s| s.code()),
+        stdout: read(&out),
+        stderr: read(&err),
+    }
+}
+
+fn assert_sections(out: &Finished) {
+    assert_eq!(
+        out.code,
+        Some(0),
+        "stdout:\n{}\nstderr:\n{}",
+        out.stdout,
+        out.stderr
+    );
+    for header in [
+        "fencelock bench: engine",
+        "== 1. uncontended acquire+release",
+        "sequential, 1 client",
+        "64 tasks, 1 shared client",
+        "== 2. contention: 16 workers",
+        "== 3. renewal load",
+        "clean-up: released every lease",
+    ] {
+        assert!(
+            out.stdout.contains(header),
+            "missing {header:?} in:\n{}",
+            out.stdout
+        );
+    }
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
+
+#[test]
+fn bench_on_sqlite_prints_every_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("b.db").display());
+    let out = bench(
+        dir.path(),
+        &["--backend", &url, "--quick", "--seconds", "1"],
+    );
+    assert_sections(&out);
+    assert!(out.stdout.contains("fair mode skipped"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("skipped: Redis engines only"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("reference: unavailable"),
+        "{}",
+        out.stdout
+    );
+
+    let json = bench(
+        dir.path(),
+        &["--backend", &url, "--quick", "--seconds", "1", "--json"],
+    );
+    assert_eq!(json.code, Some(0), "{}", json.stderr);
+    let line = json.stdout.trim();
+    assert!(
+        line.starts_with('{') && line.ends_with('}') && !line.contains('\n'),
+        "{line}"
+    );
+    assert!(line.contains("\"engine\":\"sqlite\""), "{line}");
+    assert!(
+        line.contains("\"uncontended.sequential.ops_per_s\":"),
+        "{line}"
+    );
+}
+
+fn redis_benchmark_exists() -> bool {
+    let bin = std::env::var("FENCELOCK_REDIS_BENCHMARK")
+        .ok()
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| "redis-benchmark".to_owned());
+    Command::new(bin)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn bench_on_redis_measures_renewals_and_leaves_nothing_behind() {
+    let server = RedisServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench(
+        dir.path(),
+        &["--backend", &server.url(), "--quick", "--seconds", "1"],
+    );
+    assert_sections(&out);
+    for expected in [
+        "target  fair: per-worker max/min",
+        "requests/s",
+        // Not asserted to be 0: an unoptimised build under a busy test run can be too slow to
+        // renew 10,000 leases at the 3 s TTL of --quick, which the bench reports as it should.
+        "leases lost during the window: ",
+    ] {
+        assert!(
+            out.stdout.contains(expected),
+            "missing {expected:?} in:\n{}",
+            out.stdout
+        );
+    }
+    if redis_benchmark_exists() {
+        assert!(
+            out.stdout.contains("pair rate") && out.stdout.contains("sequential / 1-client"),
+            "{}",
+            out.stdout
+        );
+    } else {
+        assert!(
+            out.stdout.contains("reference: unavailable"),
+            "{}",
+            out.stdout
+        );
+    }
+
+    let keys = server.cli(&["--scan", "--pattern", "*"]).unwrap();
+    let keys = String::from_utf8_lossy(&keys.stdout);
+    let left: Vec<&str> = keys
+        .lines()
+        .filter(|k| k.contains("fencelock-bench-") || *k == "key:__rand_int__")
+        .collect();
+    assert!(left.is_empty(), "bench keys left behind: {left:?}");
+}
+
+#[test]
+fn bench_exit_codes_match_the_other_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = bench(dir.path(), &["--backend", "ftp://nowhere"]);
+    assert_eq!(bad.code, Some(64), "{}", bad.stderr);
+
+    let closed = format!("redis://127.0.0.1:{}", free_port());
+    let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
+    assert_eq!(down.code, Some(69), "{}", down.stderr);
+
+    let closed = format!(
+        "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
+        free_port(),
+        free_port(),
+        free_port()
+    );
+    let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
+    assert_eq!(down.code, Some(69), "{}", down.stderr);
+}
