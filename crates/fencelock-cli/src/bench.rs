@@ -93,7 +93,7 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
 
     let mut bench = Bench {
         client: &client,
-        url: &url,
+        backend: &args.backend,
         engine,
         dur,
         stop: &stop,
@@ -136,7 +136,7 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
 
 struct Bench<'a> {
     client: &'a Client,
-    url: &'a str,
+    backend: &'a BackendArg,
     engine: &'static str,
     dur: Duration,
     stop: &'a Stop,
@@ -275,12 +275,10 @@ impl Bench<'_> {
                 " and wake-up subscription"
             }
         ));
-        let backend = BackendArg {
-            backend: Some(self.url.to_owned()),
-        };
+        let backend = self.backend;
         let mut clients = Vec::with_capacity(CONTENDERS);
         for _ in 0..CONTENDERS {
-            clients.push(connect(&backend, CLIENT_NAME).await?);
+            clients.push(connect(backend, CLIENT_NAME).await?);
         }
         let name = self.names.take("contended");
         let warm: Vec<String> = (0..CONTENDERS)

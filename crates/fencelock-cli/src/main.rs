@@ -41,6 +41,9 @@ pub struct BackendArg {
     /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
     #[arg(long, env = "FENCELOCK_URL", global = true)]
     backend: Option<String>,
+    /// Namespace every engine key starts with.
+    #[arg(long, env = "FENCELOCK_PREFIX", global = true, default_value = fencelock::DEFAULT_PREFIX)]
+    prefix: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -93,6 +96,9 @@ pub struct RunArgs {
     /// Client name recorded with the lease (shown by `inspect`).
     #[arg(long, default_value = "fencelock-run")]
     pub client_name: String,
+    /// Wait in FIFO order behind earlier waiters (Redis engines).
+    #[arg(long)]
+    pub fair: bool,
     /// Resource name (1-256 bytes, no control characters).
     pub name: String,
     /// The command and its arguments.
@@ -138,6 +144,7 @@ pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> 
         None => fencelock::default_url().map_err(fail)?,
     };
     Client::builder(url)
+        .prefix(&backend.prefix)
         .client_name(client_name)
         .connect()
         .await

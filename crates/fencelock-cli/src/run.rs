@@ -16,7 +16,10 @@ pub async fn run(args: RunArgs) -> Result<u8> {
     // Check the name before connecting so a bad name never costs a round trip.
     fencelock::validate_name(&args.name).map_err(fail)?;
     let client = connect(&args.backend, &args.client_name).await?;
-    let opts = LockOptions::default().ttl(args.ttl).wait(args.wait);
+    let opts = LockOptions::default()
+        .ttl(args.ttl)
+        .wait(args.wait)
+        .fair(args.fair);
     let lease = match client.acquire(&args.name, &opts).await {
         Ok(lease) => lease,
         Err(e)

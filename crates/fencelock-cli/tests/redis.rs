@@ -105,6 +105,11 @@ fn key_prints_the_lock_key_for_redis_cli() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("lock\tfencelock:v1:lock:{a}:b"), "{text}");
     assert!(text.contains("fence\tfencelock:v1:fence:{a}:b"), "{text}");
+    let out = fencelock(&server.url(), &["key", "--prefix", "billing:", "x"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("lock\tbilling:lock:x"), "{text}");
 }
 
 #[test]
