@@ -36,6 +36,8 @@ struct Entry {
 
 struct Shared {
     entries: Mutex<HashMap<u64, Entry>>,
+    /// When the task plans to wake next; always locked after `entries`.
+    planned: Mutex<Option<Instant>>,
     changed: Notify,
     engine: Arc<dyn Engine>,
     op_timeout: Duration,
@@ -57,6 +59,7 @@ impl Watchdog {
     pub(crate) fn start(engine: Arc<dyn Engine>, op_timeout: Duration, tasks: TaskTracker) -> Self {
         let shared = Arc::new(Shared {
             entries: Mutex::new(HashMap::new()),
+            planned: Mutex::new(None),
             changed: Notify::new(),
             engine,
             op_timeout,
@@ -69,7 +72,13 @@ impl Watchdog {
 
     pub(crate) fn register(&self, lease: Arc<LeaseState>, auto_renew: bool) {
         let next_renew = Instant::now() + renew_interval(lease.ttl);
-        self.shared.lock().insert(
+        let first_event = if auto_renew {
+            next_renew.min(lease.deadline())
+        } else {
+            lease.deadline()
+        };
+        let mut entries = self.shared.lock();
+        entries.insert(
             lease.id,
             Entry {
                 lease,
@@ -79,7 +88,13 @@ impl Watchdog {
                 in_flight: false,
             },
         );
-        self.shared.changed.notify_one();
+        let planned = *self.shared.planned.lock().unwrap_or_else(|p| p.into_inner());
+        drop(entries);
+        // Waking the task costs a cross-thread wake-up on every acquisition; it is needed only
+        // when this lease needs attention before the task would wake anyway.
+        if planned.is_none_or(|p| first_event < p) {
+            self.shared.changed.notify_one();
+        }
     }
 
     pub(crate) fn unregister(&self, id: u64) {
@@ -107,14 +122,17 @@ impl Shared {
     }
 
     fn next_wake(&self) -> Option<Instant> {
-        self.lock()
+        let entries = self.lock();
+        let wake = entries
             .values()
             .flat_map(|e| {
                 let renew = (e.auto_renew && !e.in_flight).then_some(e.next_renew);
                 [Some(e.lease.deadline()), renew]
             })
             .flatten()
-            .min()
+            .min();
+        *self.planned.lock().unwrap_or_else(|p| p.into_inner()) = wake;
+        wake
     }
 
     fn expire(&self, now: Instant) {

@@ -34,6 +34,10 @@ if cur == ARGV[1] then
 end
 local function held()
   local meta = redis.call('HMGET', KEYS[3], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at')
+  if meta[1] then
+    -- Someone waits: the holder's release must announce itself.
+    redis.call('HSET', KEYS[3], 'waiting', '1')
+  end
   return {0, redis.call('PTTL', KEYS[1]), node, cur, meta}
 end
 local fair = tonumber(ARGV[9])
@@ -110,14 +114,25 @@ return out
 ///
 /// KEYS: lock, meta, queue, qexp. ARGV: owner, wake channel. Reply: 1 when the lock was
 /// this owner's and is now deleted.
+///
+/// The announcement goes out only when someone waits (a refused attempt marked the metadata,
+/// or the FIFO queue is not empty): an uncontended release publishes nothing, which spares
+/// every subscribed client a wake-up.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-local queued = redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
+local queued = 0
+local queue = redis.call('EXISTS', KEYS[3]) == 1
+if queue then
+  queued = redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[4], ARGV[1])
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  local waiting = redis.call('HGET', KEYS[2], 'waiting')
   redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('PUBLISH', ARGV[2], '1')
+  if waiting or (queue and redis.call('EXISTS', KEYS[3]) == 1) then
+    redis.call('PUBLISH', ARGV[2], '1')
+  end
   return 1
 end
 if queued == 1 then
