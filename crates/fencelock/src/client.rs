@@ -317,7 +317,14 @@ impl Client {
                 // A release announcement ends the pause early; the retry then races the
                 // other woken waiters (or, in fair mode, only the head of the queue can win).
                 Some(mut wake) => {
-                    let _ = tokio::time::timeout(pause, wake.changed()).await;
+                    let mine = async {
+                        while wake.changed().await.is_ok() {
+                            if wake.borrow_and_update().concerns(&req.owner) {
+                                break;
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(pause, mine).await;
                 }
                 None => tokio::time::sleep(pause).await,
             }

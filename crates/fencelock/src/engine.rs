@@ -47,8 +47,23 @@ pub(crate) enum Attempt {
         retry_in: Option<Duration>,
         /// Changes when the engine announces a release of this resource. Subscribed before
         /// the attempt was sent, so a release right after the answer is not missed.
-        wake: Option<tokio::sync::watch::Receiver<u64>>,
+        wake: Option<tokio::sync::watch::Receiver<Wake>>,
     },
+}
+
+/// A release announcement as waiters see it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Wake {
+    /// Changes with every announcement, so that equal announcements still register.
+    pub seq: u64,
+    /// In FIFO mode, the only waiter that can win next; the others keep waiting.
+    pub only: Option<String>,
+}
+
+impl Wake {
+    pub(crate) fn concerns(&self, owner: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| o == owner)
+    }
 }
 
 /// One lease to renew in a batch.

@@ -88,7 +88,11 @@ impl Watchdog {
                 in_flight: false,
             },
         );
-        let planned = *self.shared.planned.lock().unwrap_or_else(|p| p.into_inner());
+        let planned = *self
+            .shared
+            .planned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         drop(entries);
         // Waking the task costs a cross-thread wake-up on every acquisition; it is needed only
         // when this lease needs attention before the task would wake anyway.

@@ -47,7 +47,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, RedisNode};
-use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
+use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed, Wake};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
 use crate::token::FencingToken;
@@ -622,24 +622,27 @@ impl Engine for RedisEngine {
 /// Release announcements, fanned out to the waiters of each resource.
 #[derive(Default)]
 struct Wakers {
-    by_name: Mutex<HashMap<String, watch::Sender<u64>>>,
+    by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
 }
 
 impl Wakers {
-    fn subscribe(&self, name: &str) -> watch::Receiver<u64> {
+    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
         let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
         if map.len() > 1024 {
             map.retain(|_, s| s.receiver_count() > 0);
         }
         map.entry(name.to_owned())
-            .or_insert_with(|| watch::channel(0).0)
+            .or_insert_with(|| watch::channel(Wake::default()).0)
             .subscribe()
     }
 
-    fn wake(&self, name: &str) {
+    fn wake(&self, name: &str, only: Option<String>) {
         let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = map.get(name) {
-            s.send_modify(|v| *v = v.wrapping_add(1));
+            s.send_modify(|w| {
+                w.seq = w.seq.wrapping_add(1);
+                w.only = only;
+            });
         }
     }
 }
@@ -661,7 +664,10 @@ async fn listen_for_wakeups(
             let mut stream = pubsub.on_message();
             while let Some(msg) = stream.next().await {
                 if let Some(name) = keys::name_of_wake_channel(&prefix, msg.get_channel_name()) {
-                    wakers.wake(name);
+                    // The payload names the head of the FIFO queue, if there is one.
+                    let only = Some(String::from_utf8_lossy(msg.get_payload_bytes()).into_owned())
+                        .filter(|o| !o.is_empty());
+                    wakers.wake(name, only);
                 }
             }
             Ok::<(), redis::RedisError>(())

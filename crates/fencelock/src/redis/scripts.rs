@@ -117,7 +117,8 @@ return out
 ///
 /// The announcement goes out only when someone waits (a refused attempt marked the metadata,
 /// or the FIFO queue is not empty): an uncontended release publishes nothing, which spares
-/// every subscribed client a wake-up.
+/// every subscribed client a wake-up. Its payload is the owner at the head of the FIFO queue
+/// (empty without one), so that in fair mode only the waiter that can win retries.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -127,16 +128,17 @@ if queue then
   queued = redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
 end
+local head = queue and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   local waiting = redis.call('HGET', KEYS[2], 'waiting')
   redis.call('DEL', KEYS[1], KEYS[2])
-  if waiting or (queue and redis.call('EXISTS', KEYS[3]) == 1) then
-    redis.call('PUBLISH', ARGV[2], '1')
+  if waiting or head then
+    redis.call('PUBLISH', ARGV[2], head or '')
   end
   return 1
 end
 if queued == 1 then
-  redis.call('PUBLISH', ARGV[2], '0')
+  redis.call('PUBLISH', ARGV[2], head or '')
 end
 return 0
 "#,
