@@ -1797,6 +1797,19 @@ fn dur(d: Duration) -> String {
     }
 }
 
+/// Holds for `d` as precisely as the scheduler allows. Tokio's timer wheel has 1 ms ticks and
+/// rounds deadlines up, so `sleep(1ms)` holds about 2 ms and would measure the timer rather
+/// than the lock; the last stretch is spent yielding to other tasks instead.
+async fn hold(d: Duration) {
+    let until = Instant::now() + d;
+    if d > Duration::from_millis(2) {
+        tokio::time::sleep(d - Duration::from_millis(2)).await;
+    }
+    while Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1852,18 +1865,5 @@ mod tests {
         assert!((p.pair() - 24_000.0).abs() < 1e-6);
         assert_eq!(percent_decode("a%20b%zz"), "a b%zz");
         assert_eq!(json_string("a\"b\n"), "\"a\\\"b\\u000a\"");
-    }
-}
-
-/// Holds for `d` as precisely as the scheduler allows. Tokio's timer wheel has 1 ms ticks and
-/// rounds deadlines up, so `sleep(1ms)` holds about 2 ms and would measure the timer rather
-/// than the lock; the last stretch is spent yielding to other tasks instead.
-async fn hold(d: Duration) {
-    let until = Instant::now() + d;
-    if d > Duration::from_millis(2) {
-        tokio::time::sleep(d - Duration::from_millis(2)).await;
-    }
-    while Instant::now() < until {
-        tokio::task::yield_now().await;
     }
 }
