@@ -84,7 +84,9 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
             .map_err(|e| Error::invalid(format!("node {}:{}: {e}", node.host, node.port)))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(cfg.op_timeout))
-            .set_response_timeout(Some(cfg.op_timeout))
+            // Every call already has a deadline of its own (per node, per operation); a third
+            // timer per request would only cost time.
+            .set_response_timeout(None)
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(200));
         let conn =
