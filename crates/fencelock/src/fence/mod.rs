@@ -1,0 +1,13 @@
+//! The protected resource: guards that remember the highest fencing token seen per resource
+//! and refuse writes carrying a lower one.
+//!
+//! A token equal to the highest seen is accepted: one holder makes many writes with the token
+//! of its one grant. A lower token means its writer's lease was lost and someone else has been
+//! granted the resource since; its write is refused with [`ErrorKind::StaleToken`], carrying the
+//! presented and the highest token, and counted in `fencelock_stale_token_rejections_total`.
+//!
+//! [`ErrorKind::StaleToken`]: crate::ErrorKind::StaleToken
+
+mod memory;
+
+pub use memory::MemoryFence;
