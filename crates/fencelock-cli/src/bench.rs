@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::Args;
+use fencelock::RedisNode;
 use fencelock::{Client, ErrorKind, Lease, LockOptions};
 use tokio::sync::{watch, Barrier};
 use tokio::task::JoinSet;
@@ -962,103 +963,36 @@ async fn release_many(leases: Vec<Lease>) -> (usize, Vec<String>) {
 // ---------------------------------------------------------------------------------------------
 // Redis servers: node addresses, commandstats, reference runs, clean-up
 
-struct NodeAddr {
-    host: String,
-    port: u16,
-}
-
-impl std::fmt::Display for NodeAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.host.contains(':') {
-            write!(f, "[{}]:{}", self.host, self.port)
-        } else {
-            write!(f, "{}:{}", self.host, self.port)
-        }
-    }
-}
-
 /// The parts of a `redis://` or `redlock://` URL the bench needs to reach the nodes itself.
 struct RedisTarget {
-    nodes: Vec<NodeAddr>,
-    /// `user:pass` or `pass` exactly as written (percent-encoded), for the redis crate.
+    nodes: Vec<RedisNode>,
+    /// One `redis://` URL per node, credentials included, for the redis crate.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    creds: Option<String>,
+    urls: Vec<String>,
     user: Option<String>,
     password: Option<String>,
     db: i64,
 }
 
-fn parse_redis_url(url: &str) -> std::result::Result<RedisTarget, String> {
-    let rest = url.split_once("://").map(|(_, r)| r).ok_or("not a URL")?;
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let (creds, hosts) = match authority.rsplit_once('@') {
-        Some((c, h)) => (Some(c), h),
-        None => (None, authority),
-    };
-    let (user, password) = match creds {
-        None => (None, None),
-        Some(c) => match c.split_once(':') {
-            Some((u, p)) => (
-                Some(percent_decode(u)).filter(|u| !u.is_empty()),
-                Some(percent_decode(p)),
-            ),
-            None => (None, Some(percent_decode(c))),
-        },
-    };
-    let db = if path.is_empty() {
-        0
-    } else {
-        path.parse::<i64>()
-            .map_err(|_| format!("database {path:?} is not a number"))?
-    };
-    let nodes = hosts
-        .split(',')
-        .map(|s| {
-            let (host, port) = match s.rsplit_once(':') {
-                Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h, Some(p)),
-                _ => (s, None),
-            };
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            let port = match port {
-                None => 6379,
-                Some(p) => p.parse().map_err(|_| format!("bad port in node {s:?}"))?,
-            };
-            Ok(NodeAddr {
-                host: host.to_owned(),
-                port,
-            })
-        })
-        .collect::<std::result::Result<Vec<_>, String>>()?;
-    Ok(RedisTarget {
-        nodes,
-        creds: creds.map(str::to_owned),
-        user,
-        password,
-        db,
-    })
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
+fn redis_target(url: &str) -> std::result::Result<RedisTarget, String> {
+    let backend = fencelock::Backend::parse(url).map_err(|e| e.to_string())?;
+    let urls = backend.redis_node_urls();
+    match backend {
+        fencelock::Backend::Redis {
+            nodes,
+            user,
+            password,
+            db,
+            ..
+        } => Ok(RedisTarget {
+            nodes,
+            urls,
+            user,
+            password,
+            db,
+        }),
+        _ => Err("not a Redis backend".to_owned()),
     }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The engine's nodes, reached directly (not through fencelock) to read their command counters
@@ -1086,14 +1020,14 @@ enum Reply {
 
 impl Servers {
     async fn open(url: &str) -> Result<Servers> {
-        let target = parse_redis_url(url).map_err(|e| {
+        let target = redis_target(url).map_err(|e| {
             eprintln!("fencelock: backend URL: {e}");
             Exit(exit::USAGE)
         })?;
         let mut conns = Vec::new();
         let mut addrs = Vec::new();
-        for node in &target.nodes {
-            match tokio::time::timeout(NODE_TIMEOUT, open_node(&target, node)).await {
+        for (node, node_url) in target.nodes.iter().zip(&target.urls) {
+            match tokio::time::timeout(NODE_TIMEOUT, open_node(node_url)).await {
                 Ok(Ok(c)) => conns.push(c),
                 Ok(Err(e)) => {
                     eprintln!("fencelock: cannot reach redis node {node}: {e}");
@@ -1218,15 +1152,10 @@ impl Servers {
 }
 
 #[cfg(feature = "redis")]
-async fn open_node(target: &RedisTarget, node: &NodeAddr) -> redis::RedisResult<NodeConn> {
-    // The credentials stay percent-encoded: the redis crate decodes them from the URL.
-    let creds = match target.creds.as_deref() {
-        Some(c) if c.contains(':') => format!("{c}@"),
-        Some(c) => format!(":{c}@"),
-        None => String::new(),
-    };
-    let client = redis::Client::open(format!("redis://{creds}{node}/{}", target.db).as_str())?;
-    client.get_multiplexed_async_connection().await
+async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await
 }
 
 #[cfg(feature = "redis")]
@@ -1275,7 +1204,7 @@ async fn noscript_flags(_: &NodeConn, _: &[&str]) -> std::result::Result<Vec<boo
 }
 
 #[cfg(not(feature = "redis"))]
-async fn open_node(_: &RedisTarget, _: &NodeAddr) -> std::result::Result<NodeConn, String> {
+async fn open_node(_: &str) -> std::result::Result<NodeConn, String> {
     Err("this build of fencelock lacks the `redis` feature".to_owned())
 }
 
@@ -1816,20 +1745,16 @@ mod tests {
 
     #[test]
     fn redis_urls_give_node_addresses_and_credentials() {
-        let t = parse_redis_url("redlock://app:p%40ss@10.0.0.1:7000,[::1]:7001,h/3");
-        let Ok(t) = t else {
+        let Ok(t) = redis_target("redlock://app:p%40ss@10.0.0.1:7000,[::1]:7001,h/3") else {
             unreachable!("parse failed")
         };
         let addrs: Vec<String> = t.nodes.iter().map(ToString::to_string).collect();
         assert_eq!(addrs, ["10.0.0.1:7000", "[::1]:7001", "h:6379"]);
         assert_eq!(t.user.as_deref(), Some("app"));
         assert_eq!(t.password.as_deref(), Some("p@ss"));
-        assert_eq!(t.creds.as_deref(), Some("app:p%40ss"));
+        assert_eq!(t.urls[0], "redis://app:p%40ss@10.0.0.1:7000/3");
         assert_eq!(t.db, 3);
-        let Ok(t) = parse_redis_url("redis://secret@h:1") else {
-            unreachable!("parse failed")
-        };
-        assert_eq!((t.user, t.password.as_deref()), (None, Some("secret")));
+        assert!(redis_target("sqlite:///tmp/x.db").is_err());
     }
 
     #[test]
@@ -1863,7 +1788,6 @@ mod tests {
             evalsha: 40_000.0,
         };
         assert!((p.pair() - 24_000.0).abs() < 1e-6);
-        assert_eq!(percent_decode("a%20b%zz"), "a b%zz");
         assert_eq!(json_string("a\"b\n"), "\"a\\\"b\\u000a\"");
     }
 }

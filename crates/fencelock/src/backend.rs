@@ -4,28 +4,92 @@ use std::path::PathBuf;
 
 use crate::error::{Error, Result};
 
-/// A parsed backend URL.
+/// A parsed backend URL, for tools that talk to the engine's servers directly (benchmarks,
+/// diagnostics).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Backend {
+#[non_exhaustive]
+pub enum Backend {
     /// `sqlite:///absolute/path.db`, or `sqlite://` for the default file.
-    Sqlite { path: PathBuf },
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+    },
     /// `redis://` / `rediss://` (one node) and `redlock://` (N independent nodes).
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     Redis {
+        /// `rediss://`.
         tls: bool,
+        /// `redlock://`: a majority of the nodes must agree.
         quorum: bool,
+        /// The nodes, in URL order.
         nodes: Vec<RedisNode>,
+        /// ACL user name, if any.
         user: Option<String>,
+        /// Password, if any (decoded).
         password: Option<String>,
+        /// Database number.
         db: i64,
     },
 }
 
 /// One Redis node address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct RedisNode {
+pub struct RedisNode {
+    /// Host name or address.
     pub host: String,
+    /// TCP port.
     pub port: u16,
+}
+
+impl std::fmt::Display for RedisNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl Backend {
+    /// Parses a backend URL, with the same rules and errors as [`Client::connect`](crate::Client::connect).
+    pub fn parse(url: &str) -> Result<Backend> {
+        parse(url)
+    }
+
+    /// The engine's short name: `sqlite`, `redis` or `redlock`.
+    pub fn engine(&self) -> &'static str {
+        match self {
+            Backend::Sqlite { .. } => "sqlite",
+            Backend::Redis { quorum: true, .. } => "redlock",
+            Backend::Redis { .. } => "redis",
+        }
+    }
+
+    /// One `redis://` URL per node, credentials and database included; empty for SQLite.
+    pub fn redis_node_urls(&self) -> Vec<String> {
+        let Backend::Redis {
+            nodes,
+            user,
+            password,
+            db,
+            ..
+        } = self
+        else {
+            return Vec::new();
+        };
+        use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+        let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
+        let creds = match (user, password) {
+            (Some(u), Some(p)) => format!("{}:{}@", enc(u), enc(p)),
+            (None, Some(p)) => format!(":{}@", enc(p)),
+            (Some(u), None) => format!("{}@", enc(u)),
+            (None, None) => String::new(),
+        };
+        nodes
+            .iter()
+            .map(|n| format!("redis://{creds}{n}/{db}"))
+            .collect()
+    }
 }
 
 /// The default SQLite file: `$XDG_STATE_HOME/fencelock/locks.db`, else

@@ -68,7 +68,7 @@ mod sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 mod redis;
 
-pub use backend::{default_sqlite_path, default_url, redact_url};
+pub use backend::{default_sqlite_path, default_url, redact_url, Backend, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use error::{Error, ErrorKind, Result};
 pub use holder::Holder;

@@ -46,7 +46,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, RedisNode};
+use crate::backend::Backend;
 use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed, Wake};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
@@ -57,13 +57,9 @@ use keys::Keys;
 const EXTEND_CHUNK: usize = 1000;
 
 pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
+    let urls = backend.redis_node_urls();
     let Backend::Redis {
-        tls,
-        quorum,
-        nodes,
-        user,
-        password,
-        db,
+        tls, quorum, nodes, ..
     } = backend
     else {
         return Err(Error::invalid("not a Redis backend"));
@@ -78,8 +74,7 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
     let shutdown = CancellationToken::new();
     let wakers = Arc::new(Wakers::default());
     let mut conns = Vec::with_capacity(nodes.len());
-    for node in &nodes {
-        let url = node_url(node, user.as_deref(), password.as_deref(), db);
+    for (node, url) in nodes.iter().zip(&urls) {
         let client = redis::Client::open(url.as_str())
             .map_err(|e| Error::invalid(format!("node {}:{}: {e}", node.host, node.port)))?;
         let config = ConnectionManagerConfig::new()
@@ -128,23 +123,6 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
         })?;
     }
     Ok(Arc::new(engine))
-}
-
-fn node_url(node: &RedisNode, user: Option<&str>, password: Option<&str>, db: i64) -> String {
-    use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
-    let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
-    let creds = match (user, password) {
-        (Some(u), Some(p)) => format!("{}:{}@", enc(u), enc(p)),
-        (None, Some(p)) => format!(":{}@", enc(p)),
-        (Some(u), None) => format!("{}@", enc(u)),
-        (None, None) => String::new(),
-    };
-    let host = if node.host.contains(':') {
-        format!("[{}]", node.host)
-    } else {
-        node.host.clone()
-    };
-    format!("redis://{creds}{host}:{}/{db}", node.port)
 }
 
 pub(crate) struct RedisEngine {
