@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
 mod bench;
+mod doctor;
 mod run;
 
 /// Exit codes, from sysexits(3) where one fits.
@@ -66,6 +67,8 @@ enum Command {
     },
     /// Measure the engine: uncontended and contended throughput, renewal load, reference.
     Bench(bench::BenchArgs),
+    /// Check a backend: reachability, latency, clocks, unsafe settings, TTL advice.
+    Doctor(doctor::DoctorArgs),
 }
 
 /// What to do when the lock is held elsewhere and `--wait` runs out.
@@ -106,7 +109,7 @@ pub struct RunArgs {
     pub command: Vec<String>,
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim())
         .map_err(|e| format!("{s:?} is not a duration ({e}); write it like 500ms, 30s or 2m"))
 }
@@ -202,6 +205,7 @@ fn main() -> ExitCode {
             Command::Inspect { name, backend } => inspect(&name, &backend).await,
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Bench(args) => bench::bench(args).await,
+            Command::Doctor(args) => doctor::doctor(args).await,
         }
     });
     match result {
