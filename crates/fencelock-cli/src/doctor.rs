@@ -352,8 +352,7 @@ async fn http_get(url: &str) -> std::result::Result<String, String> {
             .await
             .map_err(|e| e.to_string())?;
         let (head, body) = body.split_once("\r\n\r\n").ok_or("malformed HTTP reply")?;
-        if !head.starts_with("HTTP/1.")
-            || !head.split_whitespace().nth(1).is_some_and(|c| c == "200")
+        if !head.starts_with("HTTP/1.") || head.split_whitespace().nth(1).is_none_or(|c| c != "200")
         {
             return Err(format!(
                 "HTTP status {}",
