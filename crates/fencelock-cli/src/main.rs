@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
 mod bench;
+mod demo;
 mod doctor;
 mod run;
 
@@ -69,6 +70,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Check a backend: reachability, latency, clocks, unsafe settings, TTL advice.
     Doctor(doctor::DoctorArgs),
+    /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
+    Demo(demo::DemoArgs),
 }
 
 /// What to do when the lock is held elsewhere and `--wait` runs out.
@@ -206,6 +209,7 @@ fn main() -> ExitCode {
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Bench(args) => bench::bench(args).await,
             Command::Doctor(args) => doctor::doctor(args).await,
+            Command::Demo(args) => demo::demo(args).await,
         }
     });
     match result {
