@@ -9,5 +9,10 @@
 //! [`ErrorKind::StaleToken`]: crate::ErrorKind::StaleToken
 
 mod memory;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+mod redis;
 
 pub use memory::MemoryFence;
+#[cfg(feature = "redis")]
+pub use redis::RedisFence;

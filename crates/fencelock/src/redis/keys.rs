@@ -10,6 +10,7 @@
 //! | `P queue: N`, `P qexp: N`, `P qseq: N` | zset, zset, string | FIFO waiters (fair mode only) |
 //! | `P wake: N` | pub/sub channel | a message on every release |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
+//! | `P seen: N` | string | the highest token a [`RedisFence`](crate::fence::RedisFence) has accepted for resource `N` |
 //!
 //! Every key is the prefix, then a category ending in `:`, then the name verbatim (or nothing,
 //! for `node`). Two keys of different categories differ right after the prefix; two keys of one
