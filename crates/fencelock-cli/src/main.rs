@@ -10,6 +10,7 @@ use fencelock::{Client, ErrorKind};
 mod bench;
 mod demo;
 mod doctor;
+mod ops;
 mod run;
 
 /// Exit codes, from sysexits(3) where one fits.
@@ -18,7 +19,8 @@ pub mod exit {
     pub const USAGE: u8 = 64;
     /// The engine could not be reached or failed (EX_UNAVAILABLE).
     pub const UNAVAILABLE: u8 = 69;
-    /// The lock is held elsewhere and was not acquired within `--wait` (EX_TEMPFAIL).
+    /// The lock is held elsewhere and was not acquired within `--wait`, or a forced release
+    /// was refused because its holder looks alive (EX_TEMPFAIL).
     pub const HELD: u8 = 75;
     /// The lease was lost while the command ran; the command was terminated.
     pub const LEASE_LOST: u8 = 79;
@@ -29,8 +31,9 @@ pub mod exit {
     name = "fencelock",
     version,
     about = "Distributed locks with fencing tokens",
-    after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 75 held elsewhere, \
-                  79 lease lost while running; otherwise the command's own status."
+    after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 75 held elsewhere \
+                  (or a forced release refused: the holder looks alive), 79 lease lost while \
+                  running; otherwise the command's own status."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -59,13 +62,14 @@ enum Command {
         #[command(flatten)]
         backend: BackendArg,
     },
-    /// Show who holds a lock.
-    Inspect {
-        /// Resource name.
-        name: String,
-        #[command(flatten)]
-        backend: BackendArg,
-    },
+    /// Show who holds a lock: holder, token, TTL left, last renewal, healthy or suspect.
+    Inspect(ops::InspectArgs),
+    /// List the held locks, all or those whose name starts with a prefix.
+    List(ops::ListArgs),
+    /// Force the release of a stuck lock (its holder is dead), advancing the fencing counter.
+    Release(ops::ReleaseArgs),
+    /// Show the audit log of forced releases, newest first.
+    Audit(ops::AuditArgs),
     /// Measure the engine: uncontended and contended throughput, renewal load, reference.
     Bench(bench::BenchArgs),
     /// Check a backend: reachability, latency, clocks, unsafe settings, TTL advice.
@@ -105,6 +109,10 @@ pub struct RunArgs {
     /// Wait in FIFO order behind earlier waiters (Redis engines).
     #[arg(long)]
     pub fair: bool,
+    /// Serve metrics in Prometheus text format on this address (e.g. 127.0.0.1:9464) while
+    /// the command runs.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Resource name (1-256 bytes, no control characters).
     pub name: String,
     /// The command and its arguments.
@@ -157,15 +165,6 @@ pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> 
         .map_err(fail)
 }
 
-async fn inspect(name: &str, backend: &BackendArg) -> Result<u8> {
-    let client = connect(backend, "fencelock-inspect").await?;
-    match client.inspect(name).await.map_err(fail)? {
-        Some(h) => println!("{name}: held by {h} (owner {})", h.owner),
-        None => println!("{name}: free"),
-    }
-    Ok(0)
-}
-
 async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
     fencelock::validate_name(name).map_err(fail)?;
     let client = connect(backend, "fencelock-key").await?;
@@ -205,7 +204,10 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run::run(args).await,
-            Command::Inspect { name, backend } => inspect(&name, &backend).await,
+            Command::Inspect(args) => ops::inspect(args).await,
+            Command::List(args) => ops::list(args).await,
+            Command::Release(args) => ops::release(args).await,
+            Command::Audit(args) => ops::audit(args).await,
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Bench(args) => bench::bench(args).await,
             Command::Doctor(args) => doctor::doctor(args).await,

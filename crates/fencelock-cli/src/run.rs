@@ -1,20 +1,26 @@
 //! `fencelock run`: hold a lock while a command runs.
 
+use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
 use anyhow::Result;
-use fencelock::{ErrorKind, LockOptions};
+use fencelock::{metrics, ErrorKind, LockOptions};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::{connect, exit, fail, IfHeld, RunArgs};
+use crate::{connect, exit, fail, Exit, IfHeld, RunArgs};
 
 pub async fn run(args: RunArgs) -> Result<u8> {
     // Check the name before connecting so a bad name never costs a round trip.
     fencelock::validate_name(&args.name).map_err(fail)?;
+    // Before connecting, so that the acquisition is recorded and a busy port fails fast.
+    if let Some(addr) = args.metrics_addr {
+        serve_metrics(addr)?;
+    }
     let client = connect(&args.backend, &args.client_name).await?;
     let opts = LockOptions::default()
         .ttl(args.ttl)
@@ -79,6 +85,30 @@ pub async fn run(args: RunArgs) -> Result<u8> {
     }
     client.close().await;
     Ok(status_code(status))
+}
+
+/// Serves the process's metrics in Prometheus text format on `addr` (any path) until exit.
+/// Histograms get buckets, not summaries, so quantiles can be aggregated across processes.
+fn serve_metrics(addr: SocketAddr) -> Result<()> {
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .set_buckets_for_metric(
+            Matcher::Full(metrics::ACQUIRE_DURATION.into()),
+            metrics::ACQUIRE_DURATION_BUCKETS,
+        )
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(metrics::HOLD_DURATION.into()),
+                metrics::HOLD_DURATION_BUCKETS,
+            )
+        })
+        .and_then(PrometheusBuilder::install)
+        .map_err(|e| {
+            eprintln!("fencelock: cannot serve metrics on {addr}: {e}");
+            anyhow::Error::from(Exit(exit::USAGE))
+        })?;
+    metrics::describe();
+    Ok(())
 }
 
 fn forward(pgid: Option<Pid>, sig: Signal) {

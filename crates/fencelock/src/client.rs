@@ -14,6 +14,7 @@ use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Rene
 use crate::error::{Error, ErrorKind, Result};
 use crate::holder::{Holder, HolderMeta};
 use crate::lease::{Lease, LeaseState};
+use crate::metrics::Loss;
 use crate::name::validate_name;
 use crate::options::{display_duration, usable, validity, LockOptions};
 use crate::watchdog::Watchdog;
@@ -25,15 +26,15 @@ pub const DEFAULT_PREFIX: &str = "fencelock:v1:";
 /// renewal task.
 #[derive(Clone)]
 pub struct Client {
-    inner: Arc<ClientInner>,
+    pub(crate) inner: Arc<ClientInner>,
 }
 
 pub(crate) struct ClientInner {
     pub(crate) engine: Arc<dyn Engine>,
     pub(crate) watchdog: Watchdog,
-    meta: HolderMeta,
+    pub(crate) meta: HolderMeta,
     max_ttl: Duration,
-    op_timeout: Duration,
+    pub(crate) op_timeout: Duration,
     cleanup: TaskTracker,
     next_id: AtomicU64,
     url: String,
@@ -210,8 +211,25 @@ impl Client {
         opts: &LockOptions,
         wait: Duration,
     ) -> Result<Lease> {
-        let span = tracing::debug_span!("acquire", resource = name, engine = self.engine());
-        self.acquire_loop(name, opts, wait).instrument(span).await
+        let span = tracing::debug_span!(
+            "acquire",
+            resource = name,
+            engine = self.engine(),
+            outcome = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let result = self
+            .acquire_loop(name, opts, wait)
+            .instrument(span.clone())
+            .await;
+        let outcome = crate::metrics::acquire_finished(
+            self.engine(),
+            name,
+            started.elapsed(),
+            result.as_ref().map(Lease::ttl).map_err(Error::kind),
+        );
+        span.record("outcome", outcome);
+        result
     }
 
     async fn acquire_loop(&self, name: &str, opts: &LockOptions, wait: Duration) -> Result<Lease> {
@@ -258,6 +276,7 @@ impl Client {
                                 token,
                                 ttl,
                                 started + v,
+                                engine,
                             ));
                             inner
                                 .watchdog
@@ -333,7 +352,7 @@ impl Client {
 }
 
 impl ClientInner {
-    /// Every engine call goes through here: bounded by a deadline, named in errors.
+    /// Every engine call goes through here: bounded by a deadline, named in errors, traced.
     pub(crate) async fn call<T>(
         &self,
         name: &str,
@@ -341,7 +360,12 @@ impl ClientInner {
         fut: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
         let engine = self.engine.kind();
-        match tokio::time::timeout(limit, fut).await {
+        let span = engine_span(engine, name);
+        let answer = tokio::time::timeout(limit, fut)
+            .instrument(span.clone())
+            .await;
+        record_outcome(&span, answer.as_ref().map(|r| r.as_ref().map(|_| ())));
+        match answer {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(if e.resource().is_none() {
                 e.with_resource(name)
@@ -373,18 +397,25 @@ impl ClientInner {
         let limit = self.op_timeout.min(lease.ttl);
         let answer = self
             .call(&lease.resource, limit, self.engine.extend(&batch))
-            .await?;
-        match answer.first() {
-            Some(Renewed::Extended) if Instant::now() < lease.deadline() => {
+            .await;
+        let in_time = Instant::now() < lease.deadline();
+        let extended = matches!(answer.as_deref(), Ok([Renewed::Extended, ..]));
+        lease.renewal_attempted(in_time && extended);
+        match answer?.first() {
+            Some(Renewed::Extended) if in_time => {
                 self.watchdog.confirmed(lease.id, started);
                 Ok(())
             }
             Some(Renewed::Extended) => {
-                lease.mark_lost("its validity ended before the extension was confirmed".into());
+                lease.mark_lost(
+                    Loss::Expired,
+                    "its validity ended before the extension was confirmed".into(),
+                );
                 Err(lease.lost_error(self.engine.kind()))
             }
             _ => {
                 lease.mark_lost(
+                    Loss::NotHolder,
                     "the engine no longer lists this owner as holder: the lock expired or was \
                      taken or force-released"
                         .into(),
@@ -421,6 +452,37 @@ impl ClientInner {
     }
 }
 
+/// The span around one engine call, named after its resource (or batch) and engine; its
+/// `outcome` and `error` are recorded when the call ends.
+pub(crate) fn engine_span(engine: &'static str, resource: &str) -> tracing::Span {
+    tracing::debug_span!(
+        "engine_call",
+        engine,
+        resource,
+        outcome = tracing::field::Empty,
+        error = tracing::field::Empty,
+    )
+}
+
+/// Records `ok`, `error` (with the message) or `timeout` on an engine call's span.
+pub(crate) fn record_outcome(
+    span: &tracing::Span,
+    answer: std::result::Result<std::result::Result<(), &Error>, &tokio::time::error::Elapsed>,
+) {
+    match answer {
+        Ok(Ok(())) => {
+            span.record("outcome", "ok");
+        }
+        Ok(Err(e)) => {
+            span.record("outcome", "error");
+            span.record("error", tracing::field::display(e));
+        }
+        Err(_) => {
+            span.record("outcome", "timeout");
+        }
+    }
+}
+
 impl Drop for ClientInner {
     fn drop(&mut self) {
         tracing::trace!(url = %self.url, "client dropped");
@@ -439,7 +501,13 @@ struct Pending {
 impl Pending {
     async fn release_now(&mut self) {
         let c = &self.client;
-        let _ = tokio::time::timeout(c.op_timeout, c.engine.release(&self.name, &self.owner)).await;
+        let _ = c
+            .call(
+                &self.name,
+                c.op_timeout,
+                c.engine.release(&self.name, &self.owner),
+            )
+            .await;
         self.armed = false;
     }
 }
@@ -457,9 +525,13 @@ impl Drop for Pending {
         let owner = std::mem::take(&mut self.owner);
         self.client.cleanup.spawn_on(
             async move {
-                let _ =
-                    tokio::time::timeout(client.op_timeout, client.engine.release(&name, &owner))
-                        .await;
+                let _ = client
+                    .call(
+                        &name,
+                        client.op_timeout,
+                        client.engine.release(&name, &owner),
+                    )
+                    .await;
             },
             &handle,
         );

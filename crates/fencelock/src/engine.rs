@@ -9,6 +9,7 @@ use async_trait::async_trait;
 
 use crate::error::Result;
 use crate::holder::{Holder, HolderMeta};
+use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 
 /// What every engine is opened with.
@@ -103,6 +104,26 @@ pub(crate) trait Engine: Send + Sync + 'static {
 
     /// The current holder of a resource, if the lock is held.
     async fn inspect(&self, name: &str) -> Result<Option<Holder>>;
+
+    /// Every held lock whose name starts with `prefix` (a plain string, not a pattern), in no
+    /// particular order. Held means what `inspect` says: on a quorum engine, on a majority.
+    async fn list(&self, prefix: &str) -> Result<Vec<HeldLock>>;
+
+    /// Deletes the lock whatever its owner (only if `expected_owner` holds it, when given),
+    /// advances the fencing counter past every token granted so far, and appends `draft` to
+    /// the engine's audit log with the old holder's metadata as the engine recorded it and the
+    /// new counter value filled in; all in one atomic step per node. `Ok(None)` when there was
+    /// nothing to delete: the lock is free, or held by another owner than the expected one.
+    async fn force_release(
+        &self,
+        name: &str,
+        expected_owner: Option<&str>,
+        draft: &AuditRecord,
+    ) -> Result<Option<AuditRecord>>;
+
+    /// The audit log of forced releases under this client's prefix, of one resource or all,
+    /// newest first.
+    async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>>;
 
     /// The engine keys (or rows) a resource name maps to, labelled, for `fencelock key`.
     fn keys(&self, name: &str) -> Vec<(&'static str, String)>;

@@ -26,6 +26,9 @@ pub struct Holder {
     pub renewed_at: Option<SystemTime>,
     /// Time left before the engine lets the lock expire.
     pub ttl_left: Option<Duration>,
+    /// The lease's TTL, to which every renewal resets the expiry, when recorded. With
+    /// `ttl_left` it gives the time since the last renewal on the engine's own clock.
+    pub ttl: Option<Duration>,
 }
 
 impl Holder {
@@ -39,6 +42,7 @@ impl Holder {
             acquired_at: None,
             renewed_at: None,
             ttl_left: None,
+            ttl: None,
         }
     }
 }

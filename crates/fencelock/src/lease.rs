@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::client::ClientInner;
 use crate::error::{Error, ErrorKind, Result};
+use crate::metrics::{self, Loss};
 use crate::token::FencingToken;
 
 /// State shared between a [`Lease`] and the client's watchdog.
@@ -19,9 +21,14 @@ pub(crate) struct LeaseState {
     pub owner: String,
     pub token: FencingToken,
     pub ttl: Duration,
+    pub engine: &'static str,
+    /// The resource's metrics label, chosen once so that a lease's series never change.
+    pub label: String,
     deadline: Mutex<Instant>,
     lost: CancellationToken,
     lost_reason: OnceLock<String>,
+    granted: Instant,
+    hold_recorded: AtomicBool,
 }
 
 impl LeaseState {
@@ -32,16 +39,21 @@ impl LeaseState {
         token: FencingToken,
         ttl: Duration,
         deadline: Instant,
+        engine: &'static str,
     ) -> LeaseState {
         LeaseState {
             id,
+            label: metrics::resource_label(&resource),
             resource,
             owner,
             token,
             ttl,
+            engine,
             deadline: Mutex::new(deadline),
             lost: CancellationToken::new(),
             lost_reason: OnceLock::new(),
+            granted: Instant::now(),
+            hold_recorded: AtomicBool::new(false),
         }
     }
 
@@ -53,7 +65,7 @@ impl LeaseState {
         *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = d;
     }
 
-    pub(crate) fn mark_lost(&self, reason: String) {
+    pub(crate) fn mark_lost(&self, loss: Loss, reason: String) {
         if self.lost_reason.set(reason).is_ok() {
             tracing::warn!(
                 resource = %self.resource,
@@ -61,8 +73,22 @@ impl LeaseState {
                 reason = %self.lost_reason.get().map(String::as_str).unwrap_or(""),
                 "lease lost"
             );
+            metrics::lease_lost(self.engine, &self.label, loss);
+            self.end_hold();
         }
         self.lost.cancel();
+    }
+
+    /// Records the hold duration, once: the hold ends at the first of loss, release or drop.
+    pub(crate) fn end_hold(&self) {
+        if !self.hold_recorded.swap(true, Ordering::Relaxed) {
+            metrics::hold_ended(self.engine, &self.label, self.granted.elapsed());
+        }
+    }
+
+    /// Records one renewal attempt; `extended` when it pushed the validity window out.
+    pub(crate) fn renewal_attempted(&self, extended: bool) {
+        metrics::renewal(self.engine, &self.label, extended);
     }
 
     pub(crate) fn is_lost(&self) -> bool {
@@ -187,6 +213,8 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.client.watchdog.unregister(self.state.id);
+        // `release` consumes the lease, so this also marks the end of a released hold.
+        self.state.end_hold();
     }
 }
 

@@ -31,6 +31,8 @@
 //!   `redis`), each implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
 //! - **the protected resource**: guards that reject stale tokens (see the fencing issue).
+//! - **operations**: the [stuck-lock runbook](#stuck-lock-runbook): [`Holder::assess`],
+//!   [`Client::list`], [`Client::force_release`] and its audit log, [`Client::audit`].
 //!
 //! # Backends
 //! | URL | engine |
@@ -43,6 +45,41 @@
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
 //! `validity = ttl - elapsed - (ttl / 100 + 2 ms)`, with `elapsed` measured from before the
 //! request was sent. A grant left with less than a tenth of its TTL is released and retried.
+//!
+//! # Stuck-lock runbook
+//! When a lock stays held and nothing happens, [`Client::inspect`] names the holder and
+//! [`Holder::assess`] judges it ([`Verdict`]): *suspect* when its last renewal is overdue
+//! ([`overdue_after`]: the cadence TTL/3 plus half a cadence, at least 1 s), measured as
+//! `ttl - ttl_left` on the engine's own clock, or when it recorded this host's name and its pid
+//! is gone. [`Client::list`] finds every held lock under a name prefix.
+//!
+//! [`Client::force_release`] deletes a dead holder's lock. It refuses, with
+//! [`ErrorKind::HeldByAnother`], while the holder looks alive (its process exists on this host;
+//! or, for a holder elsewhere, its last renewal is not overdue or was never recorded) unless
+//! told [`ForceRelease::holder_is_dead`]; a process gone from this host is dead whatever its
+//! last renewal says. The deletion is a compare-and-delete on the owner that was inspected. In
+//! the same atomic step it advances the fencing counter to a mark above the old holder's token,
+//! below every later grant's, so fences refuse the old holder once the next one has written, and
+//! appends an [`AuditRecord`] to the log the engine keeps (the SQLite table `fencelock_audit`;
+//! the stream `<prefix>audit` on each Redis node, capped near 10,000 entries), which
+//! [`Client::audit`] reads back. The old holder learns of the loss at its next renewal.
+//!
+//! ```no_run
+//! # async fn demo(client: fencelock::Client) -> Result<(), fencelock::Error> {
+//! use fencelock::{ForceRelease, Verdict};
+//!
+//! if let Some(holder) = client.inspect("nightly-invoices").await? {
+//!     let verdict = holder.assess();
+//!     println!("{holder}: {} ({})", verdict.verdict, verdict.reason);
+//!     if verdict.verdict == Verdict::Suspect {
+//!         let request = ForceRelease::new("the invoice worker's VM was deleted");
+//!         if let Some(record) = client.force_release("nightly-invoices", &request).await? {
+//!             println!("released; every later token is above {}", record.counter);
+//!         }
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -57,6 +94,7 @@ mod lease;
 pub mod metrics;
 mod name;
 mod options;
+mod runbook;
 mod token;
 mod watchdog;
 
@@ -76,5 +114,8 @@ pub use lease::{Lease, LostSignal};
 pub use name::{validate_name, MAX_NAME_BYTES};
 pub use options::{
     display_duration, drift, renew_interval, usable, validity, LockOptions, MIN_TTL,
+};
+pub use runbook::{
+    overdue_after, Assessment, AuditRecord, ForceRelease, HeldLock, ProcessState, Verdict,
 };
 pub use token::FencingToken;

@@ -11,6 +11,10 @@
 //! - One row per resource lives forever: releasing clears the owner but keeps the token, so
 //!   tokens keep increasing across releases, process restarts and reboots.
 //! - `synchronous=FULL`: a token counter rolled back by a power cut would hand out a token twice.
+//! - A forced release (the stuck-lock runbook) clears the owner, advances the row's token to the
+//!   mark and appends to `fencelock_audit`, all in one transaction, so the log never misses a
+//!   release and the next grant (`mark + 1`) is above the mark. The log is never trimmed:
+//!   forced releases are rare, and an audit trail that forgets is not one.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,6 +26,7 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 
 const ENGINE: &str = "sqlite";
@@ -40,7 +45,36 @@ CREATE TABLE IF NOT EXISTS fencelock_locks (
     acquired_at INTEGER,
     renewed_at  INTEGER
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS fencelock_audit (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    record_id       TEXT NOT NULL,
+    key             TEXT NOT NULL,
+    at              INTEGER NOT NULL,
+    by_user         TEXT NOT NULL,
+    by_host         TEXT NOT NULL,
+    reason          TEXT NOT NULL,
+    declared_dead   INTEGER NOT NULL,
+    assessment      TEXT NOT NULL,
+    owner           TEXT NOT NULL,
+    token           INTEGER,
+    host            TEXT,
+    pid             INTEGER,
+    client          TEXT,
+    acquired_at     INTEGER,
+    renewed_at      INTEGER,
+    ttl_ms          INTEGER,
+    counter         INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 ";
+
+/// The columns [`LockRow::from_row`] reads, in its order.
+const LOCK_COLUMNS: &str =
+    "key, token, owner, boot_id, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at";
+
+/// The columns [`audit_record`] reads, in order.
+const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
+     assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
 
 pub(crate) struct SqliteEngine {
     jobs: std::sync::mpsc::Sender<Job>,
@@ -73,15 +107,52 @@ fn ttl_millis(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
+fn duration_of_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+fn token_of(n: i64) -> FencingToken {
+    FencingToken::new(u64::try_from(n).unwrap_or(0))
+}
+
+/// Reads one row of [`AUDIT_COLUMNS`]; `prefix` is stripped from the key to give the name.
+fn audit_record(r: &rusqlite::Row<'_>, prefix: &str) -> rusqlite::Result<AuditRecord> {
+    let key: String = r.get(1)?;
+    let mut holder = Holder::bare(r.get(8)?);
+    holder.token = r.get::<_, Option<i64>>(9)?.map(token_of);
+    holder.host = r.get(10)?;
+    holder.pid = r
+        .get::<_, Option<i64>>(11)?
+        .and_then(|p| u32::try_from(p).ok());
+    holder.client = r.get(12)?;
+    holder.acquired_at = r.get::<_, Option<i64>>(13)?.map(from_unix_millis);
+    holder.renewed_at = r.get::<_, Option<i64>>(14)?.map(from_unix_millis);
+    holder.ttl = r.get::<_, Option<i64>>(15)?.map(duration_of_millis);
+    Ok(AuditRecord {
+        id: r.get(0)?,
+        resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
+        at: from_unix_millis(r.get(2)?),
+        user: r.get(3)?,
+        host: r.get(4)?,
+        reason: r.get(5)?,
+        holder_declared_dead: r.get::<_, i64>(6)? != 0,
+        assessment: r.get(7)?,
+        holder,
+        counter: token_of(r.get(16)?),
+    })
+}
+
 fn sql_error(path: &Path, e: rusqlite::Error) -> Error {
     Error::engine_failure(ENGINE, format!("{}", path.display())).with_source(e)
 }
 
 struct LockRow {
+    key: String,
     token: i64,
     owner: Option<String>,
     boot_id: Option<String>,
     expires_at: Option<i64>,
+    ttl_ms: Option<i64>,
     host: Option<String>,
     pid: Option<i64>,
     client: Option<String>,
@@ -92,24 +163,27 @@ struct LockRow {
 impl LockRow {
     fn read(conn: &Connection, key: &str) -> rusqlite::Result<Option<LockRow>> {
         conn.query_row(
-            "SELECT token, owner, boot_id, expires_at, host, pid, client, acquired_at, renewed_at
-             FROM fencelock_locks WHERE key = ?1",
+            &format!("SELECT {LOCK_COLUMNS} FROM fencelock_locks WHERE key = ?1"),
             [key],
-            |r| {
-                Ok(LockRow {
-                    token: r.get(0)?,
-                    owner: r.get(1)?,
-                    boot_id: r.get(2)?,
-                    expires_at: r.get(3)?,
-                    host: r.get(4)?,
-                    pid: r.get(5)?,
-                    client: r.get(6)?,
-                    acquired_at: r.get(7)?,
-                    renewed_at: r.get(8)?,
-                })
-            },
+            LockRow::from_row,
         )
         .optional()
+    }
+
+    fn from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<LockRow> {
+        Ok(LockRow {
+            key: r.get(0)?,
+            token: r.get(1)?,
+            owner: r.get(2)?,
+            boot_id: r.get(3)?,
+            expires_at: r.get(4)?,
+            ttl_ms: r.get(5)?,
+            host: r.get(6)?,
+            pid: r.get(7)?,
+            client: r.get(8)?,
+            acquired_at: r.get(9)?,
+            renewed_at: r.get(10)?,
+        })
     }
 
     /// The live holder's owner value, if the row is held in this boot and not expired.
@@ -127,6 +201,7 @@ impl LockRow {
         h.client = self.client.clone();
         h.acquired_at = self.acquired_at.map(from_unix_millis);
         h.renewed_at = self.renewed_at.map(from_unix_millis);
+        h.ttl = self.ttl_ms.map(duration_of_millis);
         h.ttl_left = self
             .expires_at
             .map(|e| Duration::from_millis(u64::try_from(e - now).unwrap_or(0)));
@@ -413,6 +488,116 @@ impl Engine for SqliteEngine {
             let now = boot_millis();
             let row = LockRow::read(conn, &key)?;
             Ok(row.and_then(|r| r.live_owner(now, boot).is_some().then(|| r.holder(now))))
+        })
+        .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<HeldLock>> {
+        let engine_prefix = self.prefix.clone();
+        let start = self.key(prefix);
+        self.with_conn(move |conn, boot| {
+            let now = boot_millis();
+            // `substr` and `length` both count characters, so this is an exact prefix test
+            // whatever the name holds (`%` and `_` included, unlike LIKE).
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {LOCK_COLUMNS} FROM fencelock_locks
+                 WHERE owner IS NOT NULL AND substr(key, 1, length(?1)) = ?1"
+            ))?;
+            let rows = stmt.query_map([&start], LockRow::from_row)?;
+            let mut out = Vec::new();
+            for row in rows {
+                let row = row?;
+                if row.live_owner(now, boot).is_none() {
+                    continue;
+                }
+                if let Some(name) = row.key.strip_prefix(&engine_prefix) {
+                    out.push(HeldLock {
+                        resource: name.to_owned(),
+                        holder: row.holder(now),
+                    });
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn force_release(
+        &self,
+        name: &str,
+        expected_owner: Option<&str>,
+        draft: &AuditRecord,
+    ) -> Result<Option<AuditRecord>> {
+        let key = self.key(name);
+        let expected = expected_owner.map(str::to_owned);
+        let mut record = draft.clone();
+        self.with_conn(move |conn, boot| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let now = boot_millis();
+            let Some(row) = LockRow::read(&tx, &key)? else {
+                return Ok(None);
+            };
+            let Some(owner) = row.live_owner(now, boot) else {
+                return Ok(None);
+            };
+            if expected.as_deref().is_some_and(|e| e != owner) {
+                return Ok(None);
+            }
+            // The row keeps the counter: the next grant takes `mark + 1`.
+            let mark = row.token.saturating_add(1);
+            tx.execute(
+                "UPDATE fencelock_locks SET token = ?2, owner = NULL, boot_id = NULL, expires_at = NULL
+                 WHERE key = ?1",
+                params![key, mark],
+            )?;
+            record.holder = row.holder(now);
+            record.holder.ttl_left = None;
+            record.counter = token_of(mark);
+            let h = &record.holder;
+            tx.execute(
+                &format!(
+                    "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
+                ),
+                params![
+                    record.id,
+                    key,
+                    unix_millis(record.at),
+                    record.user,
+                    record.host,
+                    record.reason,
+                    record.holder_declared_dead,
+                    record.assessment,
+                    h.owner,
+                    row.token,
+                    h.host,
+                    h.pid,
+                    h.client,
+                    row.acquired_at,
+                    row.renewed_at,
+                    row.ttl_ms,
+                    mark
+                ],
+            )?;
+            tx.commit()?;
+            Ok(Some(record))
+        })
+        .await
+    }
+
+    async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        let prefix = self.prefix.clone();
+        let key = name.map(|n| self.key(n));
+        self.with_conn(move |conn, _| {
+            let (filter, arg) = match &key {
+                Some(k) => ("key = ?1", k.as_str()),
+                None => ("substr(key, 1, length(?1)) = ?1", prefix.as_str()),
+            };
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {AUDIT_COLUMNS} FROM fencelock_audit WHERE {filter} ORDER BY id DESC"
+            ))?;
+            let rows = stmt.query_map([arg], |r| audit_record(r, &prefix))?;
+            rows.collect()
         })
         .await
     }

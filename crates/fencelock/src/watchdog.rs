@@ -17,10 +17,13 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
+use crate::client::{engine_span, record_outcome};
 use crate::engine::{Engine, Renewal, Renewed};
 use crate::error::{Error, Result};
 use crate::lease::LeaseState;
+use crate::metrics::Loss;
 use crate::options::{drift, renew_interval};
 
 /// Consecutive failed renewals after which a lease is declared lost.
@@ -142,8 +145,10 @@ impl Shared {
     fn expire(&self, now: Instant) {
         self.lock().retain(|_, e| {
             if now >= e.lease.deadline() {
-                e.lease
-                    .mark_lost("its validity ended without a confirmed renewal".to_owned());
+                e.lease.mark_lost(
+                    Loss::Expired,
+                    "its validity ended without a confirmed renewal".to_owned(),
+                );
                 false
             } else {
                 true
@@ -198,9 +203,14 @@ impl Shared {
                 continue;
             };
             e.in_flight = false;
-            if now >= e.lease.deadline() {
-                e.lease
-                    .mark_lost("its validity ended before a renewal was confirmed".to_owned());
+            let in_time = now < e.lease.deadline();
+            e.lease
+                .renewal_attempted(in_time && matches!(outcome, Ok(Renewed::Extended)));
+            if !in_time {
+                e.lease.mark_lost(
+                    Loss::Expired,
+                    "its validity ended before a renewal was confirmed".to_owned(),
+                );
                 entries.remove(id);
                 continue;
             }
@@ -211,6 +221,7 @@ impl Shared {
                 }
                 Ok(Renewed::NotHolder) => {
                     e.lease.mark_lost(
+                        Loss::NotHolder,
                         "the engine no longer lists this owner as holder: the lock expired or \
                          was taken or force-released"
                             .to_owned(),
@@ -224,10 +235,13 @@ impl Shared {
             e.failures += 1;
             tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");
             if e.failures >= MAX_FAILED_RENEWALS {
-                e.lease.mark_lost(format!(
-                    "{} renewals in a row failed, the last with: {msg}",
-                    e.failures
-                ));
+                e.lease.mark_lost(
+                    Loss::RenewalsFailed,
+                    format!(
+                        "{} renewals in a row failed, the last with: {msg}",
+                        e.failures
+                    ),
+                );
                 let lease = e.lease.clone();
                 entries.remove(id);
                 self.release_in_background(lease);
@@ -245,9 +259,13 @@ impl Shared {
     fn release_in_background(self: &Shared, lease: Arc<LeaseState>) {
         let engine = self.engine.clone();
         let op_timeout = self.op_timeout;
+        let span = engine_span(engine.kind(), &lease.resource);
         self.tasks.spawn(async move {
-            let _ = tokio::time::timeout(op_timeout, engine.release(&lease.resource, &lease.owner))
-                .await;
+            let answer =
+                tokio::time::timeout(op_timeout, engine.release(&lease.resource, &lease.owner))
+                    .instrument(span.clone())
+                    .await;
+            record_outcome(&span, answer.as_ref().map(|r| r.as_ref().map(|_| ())));
         });
     }
 }
@@ -290,11 +308,18 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
                 .min(shared.op_timeout);
             let engine = shared.engine.clone();
             let tx = tx.clone();
+            let span = match batch.as_slice() {
+                [one] => engine_span(engine.kind(), &one.name),
+                many => engine_span(engine.kind(), &format!("{} leases", many.len())),
+            };
             // Renewals are not cleanup work: `Client::close` must not wait on them.
             tokio::spawn(async move {
                 let started = Instant::now();
-                let outcome = match tokio::time::timeout(call_timeout, engine.extend(&batch)).await
-                {
+                let answer = tokio::time::timeout(call_timeout, engine.extend(&batch))
+                    .instrument(span.clone())
+                    .await;
+                record_outcome(&span, answer.as_ref().map(|r| r.as_ref().map(|_| ())));
+                let outcome = match answer {
                     Ok(r) => r,
                     Err(_) => Err(Error::engine_failure(
                         engine.kind(),

@@ -111,7 +111,9 @@ async fn renewals_blocked_by_the_engine_mark_the_lease_lost_before_validity_ends
         .connect()
         .await
         .unwrap();
-    let ttl = Duration::from_millis(900);
+    // Long enough that two failed renewals (each given TTL/6, capped by the 150 ms operation
+    // timeout) land well inside the validity window even on a loaded machine.
+    let ttl = Duration::from_millis(2400);
     let lease = c
         .try_acquire("r", &LockOptions::default().ttl(ttl))
         .await
@@ -119,42 +121,13 @@ async fn renewals_blocked_by_the_engine_mark_the_lease_lost_before_validity_ends
     let valid_until = lease.valid_until();
     // Another connection takes the database's write lock and keeps it: every renewal times out.
     let path = dir.path().join("locks.db");
-    let blocker = std::thread::spawn(move || {
-        let conn = rusqlite_like_blocker(&path);
-        std::thread::sleep(Duration::from_secs(2));
-        drop(conn);
-    });
-    timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
+    let blocker = common::hold_write_lock(&path, Duration::from_secs(4));
+    timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
     assert!(
         Instant::now() < valid_until,
         "lease reported lost only after its validity ended"
     );
     blocker.join().unwrap();
-}
-
-/// Holds an exclusive transaction on the database file, as a stuck writer would.
-fn rusqlite_like_blocker(path: &std::path::Path) -> std::process::Child {
-    let mut child = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(
-            "import sqlite3,sys,time\n\
-             c=sqlite3.connect(sys.argv[1],isolation_level=None)\n\
-             c.execute('BEGIN EXCLUSIVE')\n\
-             print('locked',flush=True)\n\
-             time.sleep(2)\n",
-        )
-        .arg(path)
-        .stdout(std::process::Stdio::piped())
-        .stdin(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    use std::io::BufRead;
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "locked");
-    child
 }
 
 #[tokio::test]

@@ -1,6 +1,6 @@
 //! An in-process fence, for tests, demos and single-process resources.
 
-use std::collections::HashMap;
+use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
@@ -37,7 +37,13 @@ impl MemoryFence {
         write: impl FnOnce() -> T,
     ) -> Result<T> {
         let mut highest = self.highest.lock().unwrap_or_else(|p| p.into_inner());
-        let seen = highest.entry(resource.to_owned()).or_insert(0);
+        let seen = match highest.entry(resource.to_owned()) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                crate::metrics::fence_met(resource);
+                e.insert(0)
+            }
+        };
         if token.get() < *seen {
             crate::metrics::stale_token_rejected(resource);
             return Err(Error::stale_token(

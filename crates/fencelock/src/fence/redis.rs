@@ -119,7 +119,10 @@ impl RedisFence {
         }
         let mut conn = self.conn.clone();
         match inv.invoke_async::<redis::Value>(&mut conn).await {
-            Ok(v) => Ok(v),
+            Ok(v) => {
+                crate::metrics::fence_met(resource);
+                Ok(v)
+            }
             Err(e) if e.code() == Some(STALE) => {
                 let highest = e
                     .detail()

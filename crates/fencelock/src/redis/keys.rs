@@ -11,11 +11,19 @@
 //! | `P wake: N` | pub/sub channel | a message on every release |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
 //! | `P seen: N` | string | the highest token a [`RedisFence`](crate::fence::RedisFence) has accepted for resource `N` |
+//! | `P audit` | stream | the audit log of forced releases under this prefix, capped near 10,000 entries |
 //!
 //! Every key is the prefix, then a category ending in `:`, then the name verbatim (or nothing,
-//! for `node`). Two keys of different categories differ right after the prefix; two keys of one
-//! category differ exactly where their names differ. So no two distinct names ever share a key,
-//! whatever bytes the names hold (`:`, `{`, `}` included), and no name collides with `node`.
+//! for `node` and `audit`, which belong to the prefix, not to one name). Two keys of different
+//! categories differ right after the prefix; two keys of one category differ exactly where
+//! their names differ. So no two distinct names ever share a key, whatever bytes the names hold
+//! (`:`, `{`, `}` included), and no name's key is `P node` or `P audit`: after the prefix,
+//! every name's key starts with a category and a `:`, which neither `node` nor `audit` does.
+//!
+//! `fencelock list` finds held locks with `SCAN MATCH` on `P lock:` followed by the name prefix,
+//! both glob-escaped ([`lock_pattern`]), so a prefix or name holding `*`, `?`, `[`, `]` or `\`
+//! matches only itself.
+//!
 //! Braces in names are not hash tags here: fencelock does not run against Redis Cluster; Redlock
 //! uses independent nodes.
 
@@ -62,18 +70,43 @@ pub(crate) fn node_key(prefix: &str) -> String {
     format!("{prefix}node")
 }
 
+/// The audit log of forced releases under `prefix`.
+pub(crate) fn audit_key(prefix: &str) -> String {
+    format!("{prefix}audit")
+}
+
+/// `text` with Redis glob characters escaped, so that in a pattern it matches only itself.
+fn glob_escape(text: &str, out: &mut String) {
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+}
+
 /// The PSUBSCRIBE pattern matching every wake-up channel under `prefix`, with the prefix's glob
 /// characters escaped so a prefix like `app[1]:` matches only itself.
 pub(crate) fn wake_pattern(prefix: &str) -> String {
     let mut p = String::with_capacity(prefix.len() + 8);
-    for c in prefix.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            p.push('\\');
-        }
-        p.push(c);
-    }
+    glob_escape(prefix, &mut p);
     p.push_str("wake:*");
     p
+}
+
+/// The SCAN pattern matching the lock key of every name that starts with `name_prefix`.
+pub(crate) fn lock_pattern(prefix: &str, name_prefix: &str) -> String {
+    let mut p = String::with_capacity(prefix.len() + name_prefix.len() + 8);
+    glob_escape(prefix, &mut p);
+    p.push_str("lock:");
+    glob_escape(name_prefix, &mut p);
+    p.push('*');
+    p
+}
+
+/// The resource name a lock key belongs to.
+pub(crate) fn name_of_lock_key<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
+    key.strip_prefix(prefix)?.strip_prefix("lock:")
 }
 
 /// The resource name a wake-up channel belongs to.
@@ -91,7 +124,7 @@ mod tests {
             .labelled()
             .into_iter()
             .map(|(_, k)| k)
-            .chain([node_key(prefix)])
+            .chain([node_key(prefix), audit_key(prefix)])
             .collect()
     }
 
@@ -109,6 +142,19 @@ mod tests {
             }
         }
         assert!(!seen.contains_key(&node_key("fencelock:v1:")));
+        assert!(!seen.contains_key(&audit_key("fencelock:v1:")));
+        for n in ["audit", "", ":audit"] {
+            assert!(!all("fencelock:v1:", n)[..7].contains(&audit_key("fencelock:v1:")));
+        }
+    }
+
+    #[test]
+    fn lock_pattern_escapes_prefix_and_name() {
+        assert_eq!(lock_pattern("p[1]:", "a*b?"), "p\\[1\\]:lock:a\\*b\\?*");
+        assert_eq!(lock_pattern("p:", ""), "p:lock:*");
+        let k = Keys::new("p:", "x:y");
+        assert_eq!(name_of_lock_key("p:", &k.lock), Some("x:y"));
+        assert_eq!(name_of_lock_key("p:", &k.meta), None);
     }
 
     #[test]
@@ -125,7 +171,7 @@ mod tests {
             prop_assume!(a != b);
             let ka = all("fencelock:v1:", &a);
             let kb = all("fencelock:v1:", &b);
-            for k in &ka[..ka.len() - 1] {
+            for k in &ka[..ka.len() - 2] {
                 prop_assert!(!kb.contains(k), "{} shared by {:?} and {:?}", k, a, b);
             }
         }

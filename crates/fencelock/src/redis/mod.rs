@@ -31,6 +31,7 @@
 //! [`LockOptions::fair`]: crate::LockOptions::fair
 
 pub(crate) mod keys;
+mod runbook;
 mod scripts;
 
 use std::collections::HashMap;
@@ -50,6 +51,7 @@ use crate::backend::Backend;
 use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed, Wake};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 use keys::Keys;
 
@@ -246,7 +248,7 @@ fn as_i64(v: &Value) -> Option<i64> {
 }
 
 /// Builds a holder from the current lock value, its PTTL and the metadata fields
-/// (owner, token, host, pid, client, acquired_at, renewed_at).
+/// (owner, token, host, pid, client, acquired_at, renewed_at, ttl).
 fn holder_from(owner: String, pttl: Option<Duration>, meta: &Value) -> Holder {
     let mut h = Holder::bare(owner);
     h.ttl_left = pttl;
@@ -266,6 +268,11 @@ fn holder_from(owner: String, pttl: Option<Duration>, meta: &Value) -> Holder {
             h.client = f.get(4).and_then(as_string);
             h.acquired_at = f.get(5).and_then(as_i64).map(from_unix_millis);
             h.renewed_at = f.get(6).and_then(as_i64).map(from_unix_millis);
+            h.ttl = f
+                .get(7)
+                .and_then(as_i64)
+                .and_then(|t| u64::try_from(t).ok())
+                .map(Duration::from_millis);
         }
     }
     h
@@ -571,7 +578,7 @@ impl Engine for RedisEngine {
 
     async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
         let keys = self.keys(name);
-        let limit = self.op_timeout;
+        let limit = self.node_limit();
         let answers = join_all(self.nodes.iter().map(|n| {
             let mut inv = scripts::INSPECT.prepare_invoke();
             inv.key(&keys.lock).key(&keys.meta);
@@ -595,7 +602,39 @@ impl Engine for RedisEngine {
         let found = holders
             .iter()
             .find(|h| holders.iter().filter(|o| o.owner == h.owner).count() >= self.quorum);
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        if found.is_none() && answered < self.quorum {
+            // The silent nodes may hold the majority: "free" would be a guess, and the
+            // runbook acts on this answer.
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "only {answered} of {} nodes answered (quorum {}), too few to tell whether \
+                     the lock is held",
+                    self.nodes.len(),
+                    self.quorum
+                ),
+            ));
+        }
         Ok(found.cloned())
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<HeldLock>> {
+        self.list_held(prefix).await
+    }
+
+    async fn force_release(
+        &self,
+        name: &str,
+        expected_owner: Option<&str>,
+        draft: &AuditRecord,
+    ) -> Result<Option<AuditRecord>> {
+        self.force_release_everywhere(name, expected_owner, draft)
+            .await
+    }
+
+    async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        self.read_audit(name).await
     }
 }
 

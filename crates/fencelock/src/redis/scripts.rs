@@ -11,7 +11,8 @@ use redis::Script;
 /// client, now_ms (holder's wall clock), fair waiter ttl_ms (0: not fair).
 ///
 /// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, {meta fields}}` when
-/// held. A grant to the owner that already holds the key (a retried attempt whose answer was
+/// held. The metadata hash keeps the lease TTL (`ttl`, ms) for the stuck-lock runbook, which
+/// reads the time since the last renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried attempt whose answer was
 /// lost) refreshes it and returns the token it was granted.
 ///
 /// Tokens are `max(counter + 1, floor)`: with the floor at the current time in microseconds,
@@ -33,7 +34,7 @@ if cur == ARGV[1] then
   return {1, tok, node}
 end
 local function held()
-  local meta = redis.call('HMGET', KEYS[3], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at')
+  local meta = redis.call('HMGET', KEYS[3], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at', 'ttl')
   if meta[1] then
     -- Someone waits: the holder's release must announce itself.
     redis.call('HSET', KEYS[3], 'waiting', '1')
@@ -76,7 +77,7 @@ local s = string.format('%.0f', tok)
 redis.call('SET', KEYS[2], s)
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[3], 'owner', ARGV[1], 'token', s, 'host', ARGV[5], 'pid', ARGV[6],
-  'client', ARGV[7], 'acquired_at', ARGV[8], 'renewed_at', ARGV[8])
+  'client', ARGV[7], 'acquired_at', ARGV[8], 'renewed_at', ARGV[8], 'ttl', ARGV[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return {1, s, node}
 "#,
@@ -166,8 +167,62 @@ return 1
 pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-local meta = redis.call('HMGET', KEYS[2], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at')
+local meta = redis.call('HMGET', KEYS[2], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at', 'ttl')
 return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), meta}
+"#,
+    )
+});
+
+/// Forced release: deletes the lock whatever its owner (if the expected one holds it), advances
+/// the fencing counter past every token granted so far, appends the audit record and wakes the
+/// waiters, in one step.
+///
+/// KEYS: lock, meta, fence, queue, audit. ARGV: expected owner (empty: whoever holds it), floor
+/// (0: the server's clock in µs), wake channel, audit max length, then the record's own fields
+/// as name, value pairs.
+///
+/// Reply: `{1, counter, old owner, {meta fields}}` when released, `{0}` when the lock is free
+/// or held by another owner. The counter becomes `max(counter + 1, floor)`, as a grant would
+/// make it, so the next grant's token is above it. The record gets the old holder's fields
+/// from the metadata hash (only if that hash belongs to the owner being deleted) and the new
+/// counter.
+pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local cur = redis.call('GET', KEYS[1])
+if not cur or (ARGV[1] ~= '' and cur ~= ARGV[1]) then
+  return {0}
+end
+local meta = redis.call('HMGET', KEYS[2], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at', 'ttl')
+local floor = tonumber(ARGV[2])
+if floor == 0 then
+  local t = redis.call('TIME')
+  floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local mark = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
+if floor > mark then mark = floor end
+local s = string.format('%.0f', mark)
+redis.call('SET', KEYS[3], s)
+redis.call('DEL', KEYS[1], KEYS[2])
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+fields[#fields + 1] = 'owner'
+fields[#fields + 1] = cur
+if meta[1] == cur then
+  local names = {'token', 'holder_host', 'pid', 'client', 'acquired_at', 'renewed_at', 'ttl'}
+  for i, name in ipairs(names) do
+    if meta[i + 1] then
+      fields[#fields + 1] = name
+      fields[#fields + 1] = meta[i + 1]
+    end
+  end
+end
+fields[#fields + 1] = 'counter'
+fields[#fields + 1] = s
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', unpack(fields))
+local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+redis.call('PUBLISH', ARGV[3], head or '')
+return {1, s, cur, meta}
 "#,
     )
 });

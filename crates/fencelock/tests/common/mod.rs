@@ -99,3 +99,20 @@ pub async fn check_watchdog(url: &str) {
     );
     lease.release().await.unwrap();
 }
+
+/// Holds an exclusive transaction on the database file for `hold`, as a stuck writer would;
+/// returns once the lock is taken.
+pub fn hold_write_lock(path: &std::path::Path, hold: Duration) -> std::thread::JoinHandle<()> {
+    let (taken, ready) = std::sync::mpsc::channel();
+    let path = path.to_owned();
+    let handle = std::thread::spawn(move || {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.busy_timeout(Duration::from_secs(10)).unwrap();
+        conn.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        taken.send(()).unwrap();
+        std::thread::sleep(hold);
+        conn.execute_batch("ROLLBACK").unwrap();
+    });
+    ready.recv().unwrap();
+    handle
+}

@@ -1,0 +1,417 @@
+//! The stuck-lock runbook on the command line: `inspect`, `list`, `release --force`, `audit`.
+//!
+//! Text output is for people; `--json` output is for scripts and keeps its field names.
+//! Times are RFC 3339 in UTC, durations in milliseconds (`*_ms`).
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::Result;
+use clap::Args;
+use fencelock::{display_duration, AuditRecord, ForceRelease, HeldLock, Holder};
+
+use crate::{connect, fail, BackendArg};
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    backend: BackendArg,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Resource name.
+    name: String,
+}
+
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    #[command(flatten)]
+    backend: BackendArg,
+    /// Print a JSON array instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Only locks whose name starts with this (a plain string, not a pattern).
+    #[arg(id = "name_prefix", value_name = "PREFIX", default_value = "")]
+    name_prefix: String,
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Refused (exit 75) while the holder looks alive: its process still \
+    exists on this host (same host name), or, for a holder on another host, its last renewal \
+    is not yet overdue (TTL/3 plus half of that, at least 1 s more). A holder whose process is \
+    gone from this host counts as dead. --holder-is-dead overrides the check. Exit 0 when \
+    released or already free."
+)]
+pub struct ReleaseArgs {
+    #[command(flatten)]
+    backend: BackendArg,
+    /// Delete the lock whatever its owner. Required: a holder releases its own lock (fencelock
+    /// run does when its command exits).
+    #[arg(long, required = true)]
+    force: bool,
+    /// Why, for the audit log.
+    #[arg(long, required = true)]
+    reason: String,
+    /// Release even if the holder looks alive: you have made sure it is dead.
+    #[arg(long)]
+    holder_is_dead: bool,
+    /// Print the audit record as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Resource name.
+    name: String,
+}
+
+#[derive(Args, Debug)]
+pub struct AuditArgs {
+    #[command(flatten)]
+    backend: BackendArg,
+    /// Print a JSON array instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Only the forced releases of this resource.
+    name: Option<String>,
+}
+
+pub async fn inspect(args: InspectArgs) -> Result<u8> {
+    fencelock::validate_name(&args.name).map_err(fail)?;
+    let client = connect(&args.backend, "fencelock-inspect").await?;
+    let holder = client.inspect(&args.name).await.map_err(fail)?;
+    let engine = client.engine();
+    match (holder, args.json) {
+        (Some(h), true) => println!("{}", held_json(&args.name, engine, &h)),
+        (None, true) => println!(
+            "{}",
+            object(&[
+                ("resource", Json::Str(&args.name)),
+                ("engine", Json::Str(engine)),
+                ("held", Json::Bool(false)),
+            ])
+        ),
+        (Some(h), false) => print!("{}", held_text(&args.name, &h)),
+        (None, false) => println!("{}: free", args.name),
+    }
+    Ok(0)
+}
+
+pub async fn list(args: ListArgs) -> Result<u8> {
+    let client = connect(&args.backend, "fencelock-list").await?;
+    let locks = client.list(&args.name_prefix).await.map_err(fail)?;
+    if args.json {
+        let items: Vec<String> = locks
+            .iter()
+            .map(|l| held_json(&l.resource, client.engine(), &l.holder))
+            .collect();
+        println!("[{}]", items.join(","));
+    } else if locks.is_empty() && args.name_prefix.is_empty() {
+        println!("no held locks");
+    } else if locks.is_empty() {
+        println!("no held locks starting with {:?}", args.name_prefix);
+    } else {
+        print!("{}", table(&locks));
+    }
+    Ok(0)
+}
+
+pub async fn release(args: ReleaseArgs) -> Result<u8> {
+    fencelock::validate_name(&args.name).map_err(fail)?;
+    let client = connect(&args.backend, "fencelock-release").await?;
+    let request = ForceRelease::new(&args.reason).holder_is_dead(args.holder_is_dead);
+    match client
+        .force_release(&args.name, &request)
+        .await
+        .map_err(fail)?
+    {
+        Some(r) if args.json => println!("{}", record_json(&r)),
+        Some(r) => println!(
+            "{}: force-released from {}; fencing counter now {}, so the old token is stale; \
+             recorded in the audit log",
+            r.resource, r.holder, r.counter
+        ),
+        None if args.json => println!(
+            "{}",
+            object(&[
+                ("resource", Json::Str(&args.name)),
+                ("held", Json::Bool(false)),
+                ("released", Json::Bool(false)),
+            ])
+        ),
+        None => println!("{}: free; nothing to release", args.name),
+    }
+    Ok(0)
+}
+
+pub async fn audit(args: AuditArgs) -> Result<u8> {
+    if let Some(name) = &args.name {
+        fencelock::validate_name(name).map_err(fail)?;
+    }
+    let client = connect(&args.backend, "fencelock-audit").await?;
+    let records = client.audit(args.name.as_deref()).await.map_err(fail)?;
+    if args.json {
+        let items: Vec<String> = records.iter().map(record_json).collect();
+        println!("[{}]", items.join(","));
+    } else if records.is_empty() {
+        println!("no forced releases recorded");
+    } else {
+        for r in &records {
+            print!("{}", record_text(r));
+        }
+    }
+    Ok(0)
+}
+
+fn ago(t: SystemTime) -> String {
+    match SystemTime::now().duration_since(t) {
+        Ok(d) => format!("{} ago", display_duration(round_ms(d))),
+        Err(_) => "in the future (clock skew)".to_owned(),
+    }
+}
+
+fn round_ms(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn when(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+fn optional<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+fn held_text(name: &str, h: &Holder) -> String {
+    let a = h.assess();
+    let mut out = format!("{name}: held by {h} (owner {})\n", h.owner);
+    let mut line = |label: &str, value: String| out.push_str(&format!("  {label:<13} {value}\n"));
+    line("owner", h.owner.clone());
+    line("token", optional(h.token));
+    line("host", optional(h.host.as_deref()));
+    line("pid", optional(h.pid));
+    line("client", optional(h.client.as_deref()));
+    line(
+        "acquired",
+        h.acquired_at
+            .map_or_else(|| "-".to_owned(), |t| format!("{} ({})", when(t), ago(t))),
+    );
+    line(
+        "last renewal",
+        a.since_renewal.map_or_else(
+            || "-".to_owned(),
+            |d| format!("{} ago", display_duration(round_ms(d))),
+        ),
+    );
+    line(
+        "ttl left",
+        match (h.ttl_left, h.ttl) {
+            (Some(left), Some(ttl)) => format!(
+                "{} of {}",
+                display_duration(round_ms(left)),
+                display_duration(ttl)
+            ),
+            (Some(left), None) => display_duration(round_ms(left)),
+            _ => "-".to_owned(),
+        },
+    );
+    line("verdict", format!("{}: {}", a.verdict, a.reason));
+    out
+}
+
+fn table(locks: &[HeldLock]) -> String {
+    let header = [
+        "RESOURCE", "TOKEN", "HOST", "PID", "CLIENT", "TTL LEFT", "RENEWED", "VERDICT",
+    ];
+    let rows: Vec<[String; 8]> = locks
+        .iter()
+        .map(|l| {
+            let h = &l.holder;
+            let a = h.assess();
+            [
+                l.resource.clone(),
+                optional(h.token),
+                optional(h.host.as_deref()),
+                optional(h.pid),
+                optional(h.client.as_deref()),
+                h.ttl_left
+                    .map_or_else(|| "-".into(), |d| display_duration(round_ms(d))),
+                a.since_renewal.map_or_else(
+                    || "-".into(),
+                    |d| format!("{} ago", display_duration(round_ms(d))),
+                ),
+                a.verdict.to_string(),
+            ]
+        })
+        .collect();
+    let mut widths = header.map(|h| h.chars().count());
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut push_row = |cells: &[&str]| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(padded.join("  ").trim_end());
+        out.push('\n');
+    };
+    push_row(&header);
+    for row in &rows {
+        push_row(&row.each_ref().map(String::as_str));
+    }
+    out
+}
+
+fn record_text(r: &AuditRecord) -> String {
+    let h = &r.holder;
+    format!(
+        "{} {}: forced by {}@{}: {}\n  old holder: {} (owner {})\n  fencing counter now {}; \
+         holder declared dead: {}; found: {}\n",
+        when(r.at),
+        r.resource,
+        r.user,
+        r.host,
+        r.reason,
+        h,
+        h.owner,
+        r.counter,
+        if r.holder_declared_dead { "yes" } else { "no" },
+        r.assessment
+    )
+}
+
+/// A JSON value, written by hand: the CLI prints a handful of flat objects and a JSON library
+/// would be its only use of serialisation.
+enum Json<'a> {
+    Str(&'a str),
+    OwnedStr(String),
+    Num(u64),
+    Bool(bool),
+    Null,
+    Raw(String),
+}
+
+fn string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn object(fields: &[(&str, Json<'_>)]) -> String {
+    let body: Vec<String> = fields
+        .iter()
+        .map(|(k, v)| {
+            let v = match v {
+                Json::Str(s) => string(s),
+                Json::OwnedStr(s) => string(s),
+                Json::Num(n) => n.to_string(),
+                Json::Bool(b) => b.to_string(),
+                Json::Null => "null".to_owned(),
+                Json::Raw(r) => r.clone(),
+            };
+            format!("{}:{v}", string(k))
+        })
+        .collect();
+    format!("{{{}}}", body.join(","))
+}
+
+fn ms(d: Option<Duration>) -> Json<'static> {
+    d.map_or(Json::Null, |d| {
+        Json::Num(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    })
+}
+
+fn opt_str(s: Option<&str>) -> Json<'_> {
+    s.map_or(Json::Null, Json::Str)
+}
+
+fn opt_time(t: Option<SystemTime>) -> Json<'static> {
+    t.map_or(Json::Null, |t| Json::OwnedStr(when(t)))
+}
+
+fn holder_fields(h: &Holder) -> Vec<(&'static str, Json<'_>)> {
+    vec![
+        ("owner", Json::Str(&h.owner)),
+        ("token", h.token.map_or(Json::Null, |t| Json::Num(t.get()))),
+        ("host", opt_str(h.host.as_deref())),
+        ("pid", h.pid.map_or(Json::Null, |p| Json::Num(u64::from(p)))),
+        ("client", opt_str(h.client.as_deref())),
+        ("acquired_at", opt_time(h.acquired_at)),
+        ("renewed_at", opt_time(h.renewed_at)),
+        ("ttl_ms", ms(h.ttl)),
+    ]
+}
+
+fn held_json(name: &str, engine: &str, h: &Holder) -> String {
+    let a = h.assess();
+    let mut fields = vec![
+        ("resource", Json::Str(name)),
+        ("engine", Json::Str(engine)),
+        ("held", Json::Bool(true)),
+    ];
+    fields.extend(holder_fields(h));
+    fields.extend([
+        ("ttl_left_ms", ms(h.ttl_left)),
+        ("since_renewal_ms", ms(a.since_renewal)),
+        ("overdue_after_ms", ms(a.overdue_after)),
+        ("verdict", Json::Str(a.verdict.as_str())),
+        (
+            "process",
+            Json::Str(match a.process {
+                fencelock::ProcessState::Running => "running",
+                fencelock::ProcessState::Gone => "gone",
+                _ => "not-checked",
+            }),
+        ),
+        ("looks_alive", Json::Bool(a.looks_alive)),
+        ("reason", Json::OwnedStr(a.reason.clone())),
+    ]);
+    object(&fields)
+}
+
+fn record_json(r: &AuditRecord) -> String {
+    object(&[
+        ("id", Json::Str(&r.id)),
+        ("resource", Json::Str(&r.resource)),
+        ("at", Json::OwnedStr(when(r.at))),
+        ("user", Json::Str(&r.user)),
+        ("host", Json::Str(&r.host)),
+        ("reason", Json::Str(&r.reason)),
+        ("holder_declared_dead", Json::Bool(r.holder_declared_dead)),
+        ("assessment", Json::Str(&r.assessment)),
+        ("holder", Json::Raw(object(&holder_fields(&r.holder)))),
+        ("counter", Json::Num(r.counter.get())),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_strings_are_escaped() {
+        assert_eq!(string("a\"b\\c\n\u{1}é"), r#""a\"b\\c\n\u0001é""#);
+        assert_eq!(
+            object(&[
+                ("k", Json::Num(3)),
+                ("n", Json::Null),
+                ("b", Json::Bool(true))
+            ]),
+            r#"{"k":3,"n":null,"b":true}"#
+        );
+    }
+}

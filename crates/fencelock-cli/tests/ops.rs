@@ -1,0 +1,409 @@
+//! The stuck-lock runbook as real processes: `inspect`, `list`, `release --force` and `audit`
+//! against holders that are `fencelock run` processes, on SQLite, one Redis node and Redlock.
+#![allow(clippy::unwrap_used)]
+
+// Shared with run.rs, which uses the helpers this file does not.
+#[allow(dead_code)]
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{poll_until, wait_for_line, Sandbox, FINISH, WAIT_FOR_RELEASE};
+use fencelock::fence::MemoryFence;
+use fencelock::{ErrorKind, FencingToken};
+use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::unistd::Pid;
+
+const HELD: i32 = 75;
+const USAGE: i32 = 64;
+const LEASE_LOST: i32 = 79;
+
+/// `fencelock SUB --backend URL ARGS...`, run in the sandbox.
+fn on(sb: &Sandbox, url: &str, sub: &str, args: &[&str]) -> Command {
+    let mut cmd = sb.bare();
+    cmd.arg(sub).arg("--backend").arg(url).args(args);
+    cmd
+}
+
+/// `fencelock run --backend URL OPTS... NAME -- sh -c SCRIPT`.
+fn run_on(sb: &Sandbox, url: &str, opts: &[&str], name: &str, script: &str) -> Command {
+    let mut cmd = on(sb, url, "run", opts);
+    cmd.arg(name).args(["--", "sh", "-c", script]);
+    cmd
+}
+
+/// Runs a command that must exit 0, and returns its stdout.
+fn ok(sb: &Sandbox, cmd: Command) -> String {
+    let out = sb.run(cmd);
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    out.stdout
+}
+
+fn number(s: &str) -> u64 {
+    let n = s.trim().parse::<u64>();
+    assert!(n.is_ok(), "{s:?} is not a number");
+    n.unwrap()
+}
+
+/// The raw text of `key`'s value in a flat JSON object (the first occurrence): a string's
+/// content without quotes, else the literal. Enough for the CLI's own output.
+fn field<'a>(json: &'a str, key: &str) -> &'a str {
+    let pat = format!("\"{key}\":");
+    let start = json.find(&pat).map(|i| i + pat.len());
+    assert!(start.is_some(), "no {key:?} in {json}");
+    let rest = &json[start.unwrap()..];
+    if let Some(s) = rest.strip_prefix('"') {
+        &s[..s.find('"').unwrap()]
+    } else {
+        &rest[..rest.find([',', '}']).unwrap()]
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// A `fencelock run` holding `name` with a command that waits for the `release` file; returns
+/// it with the token it got and its command's process group (killed with it on drop).
+fn hold(sb: &Sandbox, url: &str, opts: &[&str], name: &str, tag: &str) -> (common::Proc, u64, Pid) {
+    let script =
+        format!("echo $FENCELOCK_TOKEN > tok-{tag}; echo $$ > pid-{tag}; {WAIT_FOR_RELEASE}");
+    let mut holder = sb.spawn(run_on(sb, url, opts, name, &script));
+    let token = number(&wait_for_line(&sb.path(&format!("tok-{tag}")), FINISH));
+    let command = number(&wait_for_line(&sb.path(&format!("pid-{tag}")), FINISH));
+    let command = Pid::from_raw(i32::try_from(command).unwrap());
+    holder.adopt_group(command);
+    (holder, token, command)
+}
+
+/// SIGKILL to a holder and its command: nothing is left to release the lock. The holder is
+/// reaped, so its pid is gone rather than a zombie.
+fn kill_holder(holder: &mut common::Proc, command: Pid) {
+    kill(holder.pid(), Signal::SIGKILL).unwrap();
+    let _ = killpg(command, Signal::SIGKILL);
+    holder.wait(FINISH);
+}
+
+/// Refused against a live holder; after the holder is SIGKILLed (its lock still has most of a
+/// 60 s TTL), released, recorded, and the old token is stale behind the next holder's.
+fn forced_release_of_a_killed_holder(url: &str) {
+    let sb = Sandbox::new();
+    let name = "billing/nightly run";
+    let (mut holder, old_token, command) = hold(
+        &sb,
+        url,
+        &["--ttl", "60s", "--client-name", "billing-worker"],
+        name,
+        "a",
+    );
+    let holder_pid = holder.pid();
+
+    let out = sb.run(on(
+        &sb,
+        url,
+        "release",
+        &["--force", name, "--reason", "looks stuck"],
+    ));
+    assert_eq!(out.code(), Some(HELD), "{out:?}");
+    assert!(out.stderr.contains("looks alive"), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains(&format!("pid {holder_pid} is running on this host")),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("--holder-is-dead"), "{}", out.stderr);
+    let inspected = ok(&sb, on(&sb, url, "inspect", &[name]));
+    assert!(inspected.contains("healthy"), "{inspected}");
+    assert_eq!(
+        ok(&sb, on(&sb, url, "audit", &[])).trim(),
+        "no forced releases recorded"
+    );
+
+    kill_holder(&mut holder, command);
+    let inspected = ok(&sb, on(&sb, url, "inspect", &[name]));
+    assert!(
+        inspected.starts_with(&format!("{name}: held by pid {holder_pid}")),
+        "{inspected}"
+    );
+    assert!(inspected.contains("suspect"), "{inspected}");
+    assert!(
+        inspected.contains(&format!("pid {holder_pid} is no longer running")),
+        "{inspected}"
+    );
+    let json = ok(&sb, on(&sb, url, "inspect", &["--json", name]));
+    assert_eq!(field(&json, "held"), "true", "{json}");
+    assert_eq!(field(&json, "verdict"), "suspect", "{json}");
+    assert_eq!(field(&json, "process"), "gone", "{json}");
+    assert_eq!(field(&json, "looks_alive"), "false", "{json}");
+    assert_eq!(number(field(&json, "token")), old_token);
+    assert_eq!(field(&json, "ttl_ms"), "60000", "{json}");
+    let listed = ok(&sb, on(&sb, url, "list", &[]));
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with(name) && l.contains("suspect")),
+        "{listed}"
+    );
+
+    let mut force = on(
+        &sb,
+        url,
+        "release",
+        &[
+            "--force",
+            name,
+            "--reason",
+            "worker killed during deploy",
+            "--json",
+        ],
+    );
+    force.env("USER", "alice");
+    let record = ok(&sb, force);
+    let counter = number(field(&record, "counter"));
+    assert!(counter > old_token, "{record}");
+    assert_eq!(field(&record, "user"), "alice", "{record}");
+    assert_eq!(field(&record, "host"), hostname(), "{record}");
+    assert_eq!(
+        field(&record, "reason"),
+        "worker killed during deploy",
+        "{record}"
+    );
+    assert_eq!(field(&record, "holder_declared_dead"), "false", "{record}");
+    assert_eq!(number(field(&record, "token")), old_token, "{record}");
+    assert_eq!(field(&record, "pid"), holder_pid.to_string(), "{record}");
+    assert_eq!(field(&record, "client"), "billing-worker", "{record}");
+    assert_eq!(
+        ok(&sb, on(&sb, url, "inspect", &[name])).trim(),
+        format!("{name}: free")
+    );
+    assert_eq!(ok(&sb, on(&sb, url, "list", &[])).trim(), "no held locks");
+
+    // The log, as JSON and as text, says the same.
+    let log = ok(&sb, on(&sb, url, "audit", &["--json", name]));
+    assert!(
+        log.starts_with('[') && log.trim_end().ends_with(']'),
+        "{log}"
+    );
+    assert_eq!(log.matches("\"id\":").count(), 1, "{log}");
+    assert_eq!(number(field(&log, "counter")), counter);
+    assert_eq!(field(&log, "user"), "alice");
+    assert_eq!(field(&log, "owner"), field(&record, "owner"));
+    assert!(
+        field(&log, "assessment").contains("no longer running"),
+        "{log}"
+    );
+    let text = ok(&sb, on(&sb, url, "audit", &[]));
+    assert!(
+        text.contains(&format!("forced by alice@{}", hostname())),
+        "{text}"
+    );
+    assert!(text.contains("worker killed during deploy"), "{text}");
+    assert!(text.contains(&format!("token {old_token}")), "{text}");
+    assert!(text.contains(&format!("counter now {counter}")), "{text}");
+    assert_eq!(
+        ok(&sb, on(&sb, url, "audit", &["other"])).trim(),
+        "no forced releases recorded"
+    );
+
+    // The next holder's token is above the mark, so a fence that has seen it refuses the old.
+    let next = ok(&sb, run_on(&sb, url, &[], name, "echo $FENCELOCK_TOKEN"));
+    let next = number(&next);
+    assert!(next > counter, "{next} <= {counter}");
+    let fence = MemoryFence::new();
+    fence.admit(name, FencingToken::new(next)).unwrap();
+    let stale = fence.admit(name, FencingToken::new(old_token)).unwrap_err();
+    assert_eq!(stale.kind(), ErrorKind::StaleToken);
+
+    // Nothing left to force.
+    assert_eq!(
+        ok(
+            &sb,
+            on(&sb, url, "release", &["--force", name, "--reason", "again"])
+        )
+        .trim(),
+        format!("{name}: free; nothing to release")
+    );
+}
+
+/// `--holder-is-dead` overrides the check; a holder that was in fact alive finds out at its
+/// next renewal, terminates its command and exits 79.
+fn holder_declared_dead_loses_its_lease(url: &str) {
+    let sb = Sandbox::new();
+    let (mut holder, _, _) = hold(&sb, url, &["--ttl", "3s"], "declared", "a");
+    let record = ok(
+        &sb,
+        on(
+            &sb,
+            url,
+            "release",
+            &[
+                "--force",
+                "declared",
+                "--reason",
+                "operator knows best",
+                "--holder-is-dead",
+                "--json",
+            ],
+        ),
+    );
+    assert_eq!(field(&record, "holder_declared_dead"), "true", "{record}");
+    assert!(
+        field(&record, "assessment").contains("is running on this host"),
+        "{record}"
+    );
+    let out = holder.wait(Duration::from_secs(10));
+    assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
+    assert!(out.stderr.contains("force-released"), "{}", out.stderr);
+}
+
+/// `inspect` and `list` on a held, an expired and a force-released lock.
+fn inspect_and_list_held_expired_and_force_released(url: &str) {
+    let sb = Sandbox::new();
+    let (mut held, held_token, _) = hold(&sb, url, &["--ttl", "60s"], "jobs/held", "h");
+    let (_other, _, _) = hold(&sb, url, &["--ttl", "60s"], "other/held", "o");
+    let (mut expired, _, expired_cmd) = hold(&sb, url, &["--ttl", "1s"], "jobs/expired", "e");
+    let (mut forced, _, forced_cmd) = hold(&sb, url, &["--ttl", "60s"], "jobs/forced", "f");
+    kill_holder(&mut expired, expired_cmd);
+    kill_holder(&mut forced, forced_cmd);
+    ok(
+        &sb,
+        on(
+            &sb,
+            url,
+            "release",
+            &["--force", "jobs/forced", "--reason", "killed"],
+        ),
+    );
+    let free = poll_until(Duration::from_secs(10), || {
+        sb.run(on(&sb, url, "inspect", &["jobs/expired"])).stdout == "jobs/expired: free\n"
+    });
+    assert!(free, "the 1 s lock of a killed holder did not expire");
+
+    let table = ok(&sb, on(&sb, url, "list", &["jobs/"]));
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2, "{table}");
+    assert!(lines[0].starts_with("RESOURCE"), "{table}");
+    assert!(lines[1].starts_with("jobs/held "), "{table}");
+    assert!(lines[1].contains(&held_token.to_string()), "{table}");
+    assert!(lines[1].ends_with("healthy"), "{table}");
+    assert!(lines[1].contains(&held.pid().to_string()), "{table}");
+
+    let all = ok(&sb, on(&sb, url, "list", &["--json"]));
+    assert_eq!(all.matches("\"resource\":").count(), 2, "{all}");
+    assert!(all.contains("\"resource\":\"jobs/held\""), "{all}");
+    assert!(all.contains("\"resource\":\"other/held\""), "{all}");
+    assert_eq!(
+        ok(&sb, on(&sb, url, "list", &["--json", "nothing/"])).trim(),
+        "[]"
+    );
+
+    let json = ok(&sb, on(&sb, url, "inspect", &["--json", "jobs/held"]));
+    assert_eq!(field(&json, "verdict"), "healthy", "{json}");
+    assert_eq!(field(&json, "process"), "running", "{json}");
+    assert_eq!(field(&json, "client"), "fencelock-run", "{json}");
+    assert_eq!(field(&json, "host"), hostname(), "{json}");
+    assert!(number(field(&json, "ttl_left_ms")) <= 60_000, "{json}");
+    for name in ["jobs/expired", "jobs/forced"] {
+        let json = ok(&sb, on(&sb, url, "inspect", &["--json", name]));
+        assert!(
+            json.starts_with(&format!("{{\"resource\":\"{name}\",")),
+            "{json}"
+        );
+        assert_eq!(field(&json, "held"), "false", "{json}");
+        assert_eq!(
+            ok(&sb, on(&sb, url, "inspect", &[name])).trim(),
+            format!("{name}: free")
+        );
+    }
+
+    std::fs::write(sb.path("release"), "").unwrap();
+    assert_eq!(held.wait(FINISH).code(), Some(0));
+}
+
+#[test]
+fn forced_release_of_a_killed_holder_sqlite() {
+    let sb = Sandbox::new();
+    forced_release_of_a_killed_holder(&format!("sqlite://{}", sb.path("ops.db").display()));
+}
+
+#[test]
+fn forced_release_of_a_killed_holder_one_redis_node() {
+    let server = RedisServer::start().unwrap();
+    forced_release_of_a_killed_holder(&server.url());
+}
+
+#[test]
+fn forced_release_of_a_killed_holder_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    forced_release_of_a_killed_holder(&redlock_url(&nodes));
+}
+
+#[test]
+fn holder_declared_dead_loses_its_lease_sqlite() {
+    let sb = Sandbox::new();
+    holder_declared_dead_loses_its_lease(&format!("sqlite://{}", sb.path("ops.db").display()));
+}
+
+#[test]
+fn holder_declared_dead_loses_its_lease_redis() {
+    let server = RedisServer::start().unwrap();
+    holder_declared_dead_loses_its_lease(&server.url());
+}
+
+#[test]
+fn holder_declared_dead_loses_its_lease_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    holder_declared_dead_loses_its_lease(&redlock_url(&nodes));
+}
+
+#[test]
+fn inspect_and_list_sqlite() {
+    let sb = Sandbox::new();
+    inspect_and_list_held_expired_and_force_released(&format!(
+        "sqlite://{}",
+        sb.path("ops.db").display()
+    ));
+}
+
+#[test]
+fn inspect_and_list_one_redis_node() {
+    let server = RedisServer::start().unwrap();
+    inspect_and_list_held_expired_and_force_released(&server.url());
+}
+
+#[test]
+fn inspect_and_list_redlock() {
+    let nodes = start_redis_nodes(3).unwrap();
+    inspect_and_list_held_expired_and_force_released(&redlock_url(&nodes));
+}
+
+/// `release` without `--force` or without a reason, and bad names or prefixes, exit 64 with a
+/// message and touch nothing.
+#[test]
+fn release_needs_force_and_a_reason() {
+    let sb = Sandbox::new();
+    let (mut holder, _, _) = hold(&sb, sb.url(), &[], "kept", "k");
+    let cases: [&[&str]; 5] = [
+        &["kept", "--reason", "no force"],
+        &["--force", "kept"],
+        &["--force", "kept", "--reason", " "],
+        &["--force", "kept", "--reason", "a\nb"],
+        &["--force", "", "--reason", "empty name"],
+    ];
+    for args in cases {
+        let out = sb.run(sb.fencelock("release", args));
+        assert_eq!(out.code(), Some(USAGE), "{args:?}: {out:?}");
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    }
+    let out = sb.run(sb.fencelock("list", &["a\nb"]));
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+    assert!(sb.inspect("kept").starts_with("kept: held by"));
+    std::fs::write(sb.path("release"), "").unwrap();
+    assert_eq!(holder.wait(FINISH).code(), Some(0));
+}

@@ -1,0 +1,369 @@
+//! The stuck-lock runbook on Redis and Redlock: listing held locks, forced release and the
+//! audit stream.
+//!
+//! - **Listing** scans the lock keys (`SCAN MATCH`, see [`keys::lock_pattern`]) on every node,
+//!   then inspects each name found as `inspect` does: on Redlock a lock is listed only when
+//!   one owner holds it on a majority. Any `N - quorum + 1` nodes include one node of every
+//!   majority, so that many must answer the scan.
+//! - **Forced release** runs one script per node that deletes the lock (only where the expected
+//!   owner holds it), advances the counter to `max(counter + 1, floor)` and appends the audit
+//!   record, atomically. On Redlock the floor is the client's clock, as for grants, so healthy
+//!   nodes agree on one mark; where they do not, the counter is then raised to the highest
+//!   mark on a majority, so every later grant (whose majority meets that one) is above it.
+//!   The release needs a majority of nodes to answer: then the old owner holds the key on a
+//!   minority at most.
+//! - **The audit log** is a stream capped near [`AUDIT_MAX_LEN`] entries on each node. Redlock
+//!   merges the nodes' logs by record id, keeping the highest mark a node recorded.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use redis::Value;
+
+use super::{
+    as_i64, as_string, holder_from, keys, scripts, unix_micros, Node, NodeResult, RedisEngine,
+};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::runbook::{AuditRecord, HeldLock};
+use crate::token::FencingToken;
+
+/// The length Redis trims each audit stream to (approximately, `MAXLEN ~`, which trims whole
+/// macro nodes and so costs nothing per append).
+pub(super) const AUDIT_MAX_LEN: usize = 10_000;
+
+/// Names inspected concurrently while listing: enough to fill the pipeline, few enough that
+/// one listing never floods a node.
+const LIST_BATCH: usize = 100;
+
+/// Keys a node examines per SCAN call.
+const SCAN_COUNT: usize = 500;
+
+impl Node {
+    /// Runs one command with a deadline; errors become text naming the node.
+    async fn query<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(limit, cmd.query_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
+            Err(_) => Err(format!(
+                "{}: no answer within {}",
+                self.addr,
+                crate::options::display_duration(limit)
+            )),
+        }
+    }
+
+    /// The names of every lock key matching `pattern` on this node.
+    async fn scan_names(
+        &self,
+        prefix: &str,
+        pattern: &str,
+        limit: Duration,
+    ) -> NodeResult<Vec<String>> {
+        let mut names = Vec::new();
+        let mut cursor = "0".to_owned();
+        loop {
+            let mut cmd = redis::cmd("SCAN");
+            cmd.arg(&cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let (next, found): (String, Vec<Vec<u8>>) = self.query(&cmd, limit).await?;
+            // Names are UTF-8 (validated before any write); other keys are not fencelock's.
+            names.extend(
+                found
+                    .into_iter()
+                    .filter_map(|k| String::from_utf8(k).ok())
+                    .filter_map(|k| keys::name_of_lock_key(prefix, &k).map(str::to_owned)),
+            );
+            if next == "0" {
+                return Ok(names);
+            }
+            cursor = next;
+        }
+    }
+}
+
+impl RedisEngine {
+    /// The deadline of one node's part in an inspection, listing, forced release or audit read.
+    /// Shorter than the client's deadline for the whole call (one operation timeout per step),
+    /// so that a dead or hung node costs its vote, not the answer of the nodes that are up.
+    pub(super) fn node_limit(&self) -> Duration {
+        self.op_timeout * 3 / 4
+    }
+
+    pub(super) async fn list_held(&self, name_prefix: &str) -> Result<Vec<HeldLock>> {
+        let pattern = keys::lock_pattern(&self.prefix, name_prefix);
+        let scans = join_all(
+            self.nodes
+                .iter()
+                .map(|n| n.scan_names(&self.prefix, &pattern, self.node_limit())),
+        )
+        .await;
+        let needed = self.nodes.len() - self.quorum + 1;
+        let errors: Vec<String> = scans
+            .iter()
+            .filter_map(|r| r.as_ref().err().cloned())
+            .collect();
+        if self.nodes.len() - errors.len() < needed {
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "listing needs {needed} of {} nodes to answer: {}",
+                    self.nodes.len(),
+                    Self::errors_text(&errors)
+                ),
+            ));
+        }
+        let names: Vec<String> = scans
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let mut held = Vec::new();
+        for chunk in names.chunks(LIST_BATCH) {
+            let holders = join_all(chunk.iter().map(|n| Engine::inspect(self, n))).await;
+            for (name, holder) in chunk.iter().zip(holders) {
+                if let Some(holder) = holder? {
+                    held.push(HeldLock {
+                        resource: name.clone(),
+                        holder,
+                    });
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    pub(super) async fn force_release_everywhere(
+        &self,
+        name: &str,
+        expected_owner: Option<&str>,
+        draft: &AuditRecord,
+    ) -> Result<Option<AuditRecord>> {
+        let keys = self.keys(name);
+        let audit = keys::audit_key(&self.prefix);
+        let floor = if self.nodes.len() == 1 {
+            0
+        } else {
+            unix_micros()
+        };
+        let limit = self.node_limit();
+        let fields = record_fields(draft);
+        let answers = join_all(self.nodes.iter().map(|n| {
+            let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
+            inv.key(&keys.lock)
+                .key(&keys.meta)
+                .key(&keys.fence)
+                .key(&keys.queue)
+                .key(&audit)
+                .arg(expected_owner.unwrap_or(""))
+                .arg(floor)
+                .arg(&keys.wake)
+                .arg(AUDIT_MAX_LEN);
+            for (field, value) in &fields {
+                inv.arg(*field).arg(value);
+            }
+            async move { n.run::<Vec<Value>>(inv, limit).await }
+        }))
+        .await;
+
+        let mut errors = Vec::new();
+        // Per node: the counter it now holds when it released, with the old holder it saw.
+        let mut released: Vec<Option<(u64, Holder)>> = Vec::with_capacity(answers.len());
+        for (node, answer) in self.nodes.iter().zip(&answers) {
+            match answer {
+                Ok(v) if v.first().and_then(as_i64) == Some(1) => {
+                    let counter = v.get(1).and_then(as_string).and_then(|s| s.parse().ok());
+                    let owner = v.get(2).and_then(as_string);
+                    match counter.zip(owner) {
+                        Some((c, owner)) => released.push(Some((
+                            c,
+                            holder_from(owner, None, v.get(3).unwrap_or(&Value::Nil)),
+                        ))),
+                        None => {
+                            errors.push(format!(
+                                "{}: unexpected reply to the forced release",
+                                node.addr
+                            ));
+                            released.push(None);
+                        }
+                    }
+                }
+                Ok(_) => released.push(None),
+                Err(e) => {
+                    errors.push(e.clone());
+                    released.push(None);
+                }
+            }
+        }
+        let answered = self.nodes.len() - errors.len();
+        if answered < self.quorum {
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "the forced release reached only {answered} of {} nodes (quorum {}), so the \
+                     lock may still be held on a majority; run it again: {}",
+                    self.nodes.len(),
+                    self.quorum,
+                    Self::errors_text(&errors)
+                ),
+            ));
+        }
+        let Some(mark) = released.iter().flatten().map(|(c, _)| *c).max() else {
+            return Ok(None);
+        };
+
+        let agree = released
+            .iter()
+            .filter(|r| matches!(r, Some((c, _)) if *c == mark))
+            .count();
+        if agree < self.quorum {
+            let raised = join_all(self.nodes.iter().zip(&released).map(|(n, r)| {
+                let fence = keys.fence.clone();
+                async move {
+                    if matches!(r, Some((c, _)) if *c == mark) {
+                        return false;
+                    }
+                    let mut inv = scripts::RAISE.prepare_invoke();
+                    inv.key(fence).arg(mark);
+                    n.run::<i64>(inv, limit).await.is_ok()
+                }
+            }))
+            .await;
+            if agree + raised.iter().filter(|r| **r).count() < self.quorum {
+                return Err(Error::engine_failure(
+                    self.kind,
+                    format!(
+                        "the lock was force-released, but the fencing counter could not be \
+                         raised to {mark} on a majority; a later grant may get a token below \
+                         the mark in the audit log"
+                    ),
+                ));
+            }
+        }
+
+        let mut record = draft.clone();
+        // The holder as a releasing node had it, unless its metadata had already gone.
+        if let Some((_, seen)) = released.iter().flatten().find(|(_, h)| h.token.is_some()) {
+            record.holder = seen.clone();
+        }
+        record.counter = FencingToken::new(mark);
+        Ok(Some(record))
+    }
+
+    pub(super) async fn read_audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        let key = keys::audit_key(&self.prefix);
+        let mut cmd = redis::cmd("XREVRANGE");
+        cmd.arg(&key).arg("+").arg("-");
+        let answers = join_all(
+            self.nodes
+                .iter()
+                .map(|n| n.query::<Value>(&cmd, self.node_limit())),
+        )
+        .await;
+        self.unless_every_node_failed(&answers)?;
+        let mut by_id: HashMap<String, AuditRecord> = HashMap::new();
+        for entries in answers.iter().filter_map(|a| a.as_ref().ok()) {
+            let Value::Array(entries) = entries else {
+                continue;
+            };
+            for entry in entries {
+                let Some(record) = parse_entry(entry) else {
+                    continue;
+                };
+                if name.is_some_and(|n| n != record.resource) {
+                    continue;
+                }
+                // A node whose counter was raised after its append recorded a lower mark.
+                match by_id.get(&record.id) {
+                    Some(seen) if seen.counter >= record.counter => {}
+                    _ => {
+                        by_id.insert(record.id.clone(), record);
+                    }
+                }
+            }
+        }
+        let mut records: Vec<AuditRecord> = by_id.into_values().collect();
+        records.sort_by(|a, b| b.at.cmp(&a.at).then_with(|| b.id.cmp(&a.id)));
+        Ok(records)
+    }
+}
+
+/// The fields the client contributes to an audit entry; the script adds the old holder's and
+/// the counter.
+fn record_fields(r: &AuditRecord) -> Vec<(&'static str, String)> {
+    vec![
+        ("id", r.id.clone()),
+        ("resource", r.resource.clone()),
+        ("at", unix_millis(r.at).to_string()),
+        ("user", r.user.clone()),
+        ("host", r.host.clone()),
+        ("reason", r.reason.clone()),
+        (
+            "declared_dead",
+            if r.holder_declared_dead { "1" } else { "0" }.to_owned(),
+        ),
+        ("assessment", r.assessment.clone()),
+    ]
+}
+
+/// One stream entry (`[id, [field, value, ...]]`) as a record; `None` for entries fencelock did
+/// not write.
+fn parse_entry(entry: &Value) -> Option<AuditRecord> {
+    let Value::Array(parts) = entry else {
+        return None;
+    };
+    let mut fields: HashMap<String, String> = HashMap::new();
+    match parts.get(1)? {
+        Value::Array(flat) => {
+            for pair in flat.chunks(2) {
+                if let [k, v] = pair {
+                    fields.insert(as_string(k)?, as_string(v)?);
+                }
+            }
+        }
+        Value::Map(pairs) => {
+            for (k, v) in pairs {
+                fields.insert(as_string(k)?, as_string(v)?);
+            }
+        }
+        _ => return None,
+    }
+    let text = |k: &str| fields.get(k).cloned();
+    let number = |k: &str| fields.get(k).and_then(|v| v.parse::<i64>().ok());
+    let mut holder = Holder::bare(text("owner")?);
+    holder.token = number("token")
+        .and_then(|t| u64::try_from(t).ok())
+        .map(FencingToken::new);
+    holder.host = text("holder_host");
+    holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
+    holder.client = text("client");
+    holder.acquired_at = number("acquired_at").map(from_unix_millis);
+    holder.renewed_at = number("renewed_at").map(from_unix_millis);
+    holder.ttl = number("ttl")
+        .and_then(|t| u64::try_from(t).ok())
+        .map(Duration::from_millis);
+    Some(AuditRecord {
+        id: text("id")?,
+        resource: text("resource")?,
+        at: from_unix_millis(number("at")?),
+        user: text("user")?,
+        host: text("host")?,
+        reason: text("reason")?,
+        holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
+        assessment: text("assessment").unwrap_or_default(),
+        holder,
+        counter: FencingToken::new(fields.get("counter")?.parse().ok()?),
+    })
+}
