@@ -30,7 +30,9 @@
 //! - **lock servers**: one module per engine behind a cargo feature (`sqlite`, on by default;
 //!   `redis`), each implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
-//! - **the protected resource**: guards that reject stale tokens (see the fencing issue).
+//! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
+//!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
+//!   `postgres`).
 //!
 //! # Backends
 //! | URL | engine |
