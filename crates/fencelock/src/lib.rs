@@ -32,7 +32,8 @@
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
 //! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
 //!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
-//!   `postgres`).
+//!   `postgres`), and with the `http` feature a tower layer that refuses stale requests before
+//!   the handler runs.
 //!
 //! # Backends
 //! | URL | engine |

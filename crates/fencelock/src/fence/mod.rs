@@ -15,6 +15,9 @@
 //!
 //! [`ErrorKind::StaleToken`]: crate::ErrorKind::StaleToken
 
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 mod memory;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
