@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
 mod bench;
+mod chaos;
 mod demo;
 mod doctor;
 mod ops;
@@ -76,6 +77,9 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
+    /// The lock client the chaos suite drives.
+    #[command(hide = true)]
+    ChaosWorker(chaos::WorkerArgs),
 }
 
 /// What to do when the lock is held elsewhere and `--wait` runs out.
@@ -212,6 +216,7 @@ fn main() -> ExitCode {
             Command::Bench(args) => bench::bench(args).await,
             Command::Doctor(args) => doctor::doctor(args).await,
             Command::Demo(args) => demo::demo(args).await,
+            Command::ChaosWorker(args) => chaos::worker(args).await,
         }
     });
     match result {

@@ -6,19 +6,24 @@
 //! and in its own temporary directory, and stops them by pid so that tests can
 //! also simulate crashes ([`RedisServer::kill`]), hangs
 //! ([`RedisServer::pause`]) and amnesia ([`RedisServer::restart`]).
+//! [`PgServer`] does the same for PostgreSQL, whose restart is a crash and a
+//! recovery that keeps committed data.
 //!
 //! Nothing is installed: the binaries must already be present (on Debian,
-//! `apt-get install redis-server`), or be named by the `FENCELOCK_REDIS_SERVER`
-//! and `FENCELOCK_REDIS_CLI` environment variables.
+//! `apt-get install redis-server postgresql`), or be named by the
+//! `FENCELOCK_REDIS_SERVER` and `FENCELOCK_REDIS_CLI` environment variables and
+//! `FENCELOCK_PG_BINDIR` (the directory holding `initdb`, `postgres`, `psql`).
 
 #![deny(missing_docs)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod postgres;
 mod redis;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
+pub use postgres::PgServer;
 pub use redis::{redlock_url, start_redis_nodes, RedisServer};
 
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.

@@ -30,7 +30,10 @@
 //! - **lock servers**: one module per engine behind a cargo feature (`sqlite`, on by default;
 //!   `redis`), each implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
-//! - **the protected resource**: guards that reject stale tokens (see the fencing issue).
+//! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
+//!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
+//!   `postgres`), and with the `http` feature a tower layer that refuses stale requests before
+//!   the handler runs.
 //! - **operations**: the [stuck-lock runbook](#stuck-lock-runbook): [`Holder::assess`],
 //!   [`Client::list`], [`Client::force_release`] and its audit log, [`Client::audit`].
 //!

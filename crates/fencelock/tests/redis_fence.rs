@@ -57,3 +57,26 @@ async fn a_callers_script_runs_only_with_a_fresh_token() {
     assert_eq!(e.kind(), ErrorKind::StaleToken);
     assert_eq!(cli(&server, &["GET", "total"]), "15");
 }
+
+#[tokio::test]
+async fn admit_records_the_token_and_refuses_a_stale_one_without_writing() {
+    let server = RedisServer::start().unwrap();
+    let fence = RedisFence::connect(&server.url(), "p:").await.unwrap();
+    fence.admit("ledger", FencingToken::new(7)).await.unwrap();
+    fence.admit("ledger", FencingToken::new(7)).await.unwrap();
+    let e = fence
+        .admit("ledger", FencingToken::new(6))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::StaleToken);
+    assert_eq!(
+        e.stale_tokens(),
+        Some((FencingToken::new(6), FencingToken::new(7)))
+    );
+    assert_eq!(
+        fence.highest("ledger").await.unwrap(),
+        Some(FencingToken::new(7))
+    );
+    // Only the fence key was written.
+    assert_eq!(cli(&server, &["DBSIZE"]), "1");
+}

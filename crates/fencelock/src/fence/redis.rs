@@ -58,6 +58,14 @@ impl RedisFence {
         format!("{}seen:{resource}", self.prefix)
     }
 
+    /// Records `token` for `resource` if it is not stale, writing nothing else: the check for
+    /// callers whose own write happens elsewhere (the HTTP fence, for one). The check and the
+    /// record are atomic, but nothing ties them to that later write; for that, use
+    /// [`set`](Self::set), [`hset`](Self::hset) or [`script`](Self::script).
+    pub async fn admit(&self, resource: &str, token: FencingToken) -> Result<()> {
+        self.script(resource, token, "", &[], &[]).await.map(drop)
+    }
+
     /// `SET key value`, only with a token that is not stale.
     pub async fn set(
         &self,
