@@ -1635,7 +1635,7 @@ impl Out {
     }
 
     fn text(&mut self, key: &str, v: &str) {
-        self.fields.push((key.to_owned(), json_string(v)));
+        self.fields.push((key.to_owned(), crate::json::string(v)));
     }
 
     /// A target line next to its figure; `pass` is `None` where no verdict applies.
@@ -1658,28 +1658,11 @@ impl Out {
         let body = self
             .fields
             .iter()
-            .map(|(k, v)| format!("{}:{v}", json_string(k)))
+            .map(|(k, v)| format!("{}:{v}", crate::json::string(k)))
             .collect::<Vec<_>>()
             .join(",");
         self.write(&format!("{{{body}}}"));
     }
-}
-
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// A rate with thousands separators, no decimals.
@@ -1788,6 +1771,6 @@ mod tests {
             evalsha: 40_000.0,
         };
         assert!((p.pair() - 24_000.0).abs() < 1e-6);
-        assert_eq!(json_string("a\"b\n"), "\"a\\\"b\\u000a\"");
+        assert_eq!(crate::json::string("a\"b\n"), "\"a\\\"b\\n\"");
     }
 }

@@ -11,6 +11,7 @@ mod bench;
 mod chaos;
 mod demo;
 mod doctor;
+mod json;
 mod ops;
 mod run;
 

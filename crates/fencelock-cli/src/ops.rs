@@ -293,37 +293,19 @@ enum Json<'a> {
     Raw(String),
 }
 
-fn string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 fn object(fields: &[(&str, Json<'_>)]) -> String {
     let body: Vec<String> = fields
         .iter()
         .map(|(k, v)| {
             let v = match v {
-                Json::Str(s) => string(s),
-                Json::OwnedStr(s) => string(s),
+                Json::Str(s) => crate::json::string(s),
+                Json::OwnedStr(s) => crate::json::string(s),
                 Json::Num(n) => n.to_string(),
                 Json::Bool(b) => b.to_string(),
                 Json::Null => "null".to_owned(),
                 Json::Raw(r) => r.clone(),
             };
-            format!("{}:{v}", string(k))
+            format!("{}:{v}", crate::json::string(k))
         })
         .collect();
     format!("{{{}}}", body.join(","))
@@ -404,7 +386,10 @@ mod tests {
 
     #[test]
     fn json_strings_are_escaped() {
-        assert_eq!(string("a\"b\\c\n\u{1}é"), r#""a\"b\\c\n\u0001é""#);
+        assert_eq!(
+            crate::json::string("a\"b\\c\n\u{1}é"),
+            r#""a\"b\\c\n\u0001é""#
+        );
         assert_eq!(
             object(&[
                 ("k", Json::Num(3)),

@@ -178,7 +178,16 @@ impl Node {
         limit: Duration,
     ) -> NodeResult<T> {
         let mut conn = self.conn.clone();
-        match tokio::time::timeout(limit, inv.invoke_async::<T>(&mut conn)).await {
+        self.bounded(inv.invoke_async::<T>(&mut conn), limit).await
+    }
+
+    /// Waits for one request to this node with a deadline; errors become text naming the node.
+    async fn bounded<T>(
+        &self,
+        request: impl std::future::Future<Output = redis::RedisResult<T>>,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        match tokio::time::timeout(limit, request).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
             Err(_) => Err(format!(

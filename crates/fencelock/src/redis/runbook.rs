@@ -49,15 +49,7 @@ impl Node {
         limit: Duration,
     ) -> NodeResult<T> {
         let mut conn = self.conn.clone();
-        match tokio::time::timeout(limit, cmd.query_async::<T>(&mut conn)).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
-            Err(_) => Err(format!(
-                "{}: no answer within {}",
-                self.addr,
-                crate::options::display_duration(limit)
-            )),
-        }
+        self.bounded(cmd.query_async::<T>(&mut conn), limit).await
     }
 
     /// The names of every lock key matching `pattern` on this node.
