@@ -17,7 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
+use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -549,11 +549,7 @@ async fn chaos_suite() {
         ),
     ] {
         let servers = Arc::new(Mutex::new(start_redis_nodes(nodes).unwrap()));
-        let url = if nodes == 1 {
-            servers.lock().unwrap()[0].url()
-        } else {
-            redlock_url(&servers.lock().unwrap())
-        };
+        let url = backend_url(&servers.lock().unwrap());
         let ttl = Duration::from_millis(1000);
         let run = Run {
             url,

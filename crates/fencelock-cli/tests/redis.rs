@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fencelock_testkit::{redlock_url, start_redis_nodes, wait_until, RedisServer};
+use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
 
@@ -116,11 +116,7 @@ fn key_prints_the_lock_key_for_redis_cli() {
 fn run_terminates_its_command_when_every_node_dies() {
     for n in [1, 3] {
         let mut nodes = start_redis_nodes(n).unwrap();
-        let url = if n == 1 {
-            nodes[0].url()
-        } else {
-            redlock_url(&nodes)
-        };
+        let url = backend_url(&nodes);
         let dir = tempfile::tempdir().unwrap();
         let ready = dir.path().join("ready");
         let script = format!("touch {}; exec sleep 100", ready.display());

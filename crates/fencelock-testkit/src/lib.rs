@@ -24,7 +24,7 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
 pub use postgres::PgServer;
-pub use redis::{redlock_url, start_redis_nodes, RedisServer};
+pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.
 ///

@@ -205,6 +205,15 @@ pub fn redlock_url(nodes: &[RedisServer]) -> String {
     format!("redlock://{}", addrs.join(","))
 }
 
+/// The backend URL for `nodes`: `redis://` for a single node, `redlock://` for several, so a
+/// test can run one scenario on both engines.
+pub fn backend_url(nodes: &[RedisServer]) -> String {
+    match nodes {
+        [one] => one.url(),
+        _ => redlock_url(nodes),
+    }
+}
+
 /// Starts `bin` on a free port. Taking the binary as a parameter lets tests
 /// exercise a missing binary without mutating the process-global
 /// environment, which concurrently running tests would observe.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
 
 use fencelock::{Client, ErrorKind, LockOptions};
-use fencelock_testkit::{redlock_url, start_redis_nodes, wait_until, RedisServer};
+use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
 use tokio::time::{timeout, Instant};
 
 fn cli(server: &RedisServer, args: &[&str]) -> String {
@@ -215,11 +215,7 @@ async fn watchdog_keeps_a_lease_for_ten_ttls_redlock() {
 async fn lease_is_lost_before_validity_ends_when_every_node_dies() {
     for n in [1, 3] {
         let mut nodes = start_redis_nodes(n).unwrap();
-        let url = if n == 1 {
-            nodes[0].url()
-        } else {
-            redlock_url(&nodes)
-        };
+        let url = backend_url(&nodes);
         let c = connect(&url).await;
         let lease = c
             .try_acquire("r", &LockOptions::default().ttl(Duration::from_millis(900)))
