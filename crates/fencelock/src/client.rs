@@ -16,7 +16,7 @@ use crate::holder::{Holder, HolderMeta};
 use crate::lease::{Lease, LeaseState};
 use crate::metrics::Loss;
 use crate::name::validate_name;
-use crate::options::{display_duration, usable, validity, LockOptions};
+use crate::options::{display_duration, handoff_validity, usable, validity, LockOptions};
 use crate::watchdog::Watchdog;
 
 /// The key prefix used when none is configured. Every key fencelock writes starts with it.
@@ -263,25 +263,28 @@ impl Client {
             let outcome = inner
                 .call(name, call_timeout, inner.engine.try_acquire(&req))
                 .await;
+            let grant = |token, v: Duration| {
+                let state = Arc::new(LeaseState::new(
+                    inner.next_id.fetch_add(1, Ordering::Relaxed),
+                    name.to_owned(),
+                    req.owner.clone(),
+                    token,
+                    ttl,
+                    started + v,
+                    engine,
+                ));
+                inner
+                    .watchdog
+                    .register(state.clone(), opts.auto_renew_value());
+                Lease::new(state, inner.clone())
+            };
             let (last, hint, wake) = match outcome {
                 Ok(Attempt::Granted(token)) => {
                     let elapsed = started.elapsed();
                     match validity(ttl, elapsed).filter(|v| usable(ttl, *v)) {
                         Some(v) => {
                             pending.armed = false;
-                            let state = Arc::new(LeaseState::new(
-                                inner.next_id.fetch_add(1, Ordering::Relaxed),
-                                name.to_owned(),
-                                req.owner.clone(),
-                                token,
-                                ttl,
-                                started + v,
-                                engine,
-                            ));
-                            inner
-                                .watchdog
-                                .register(state.clone(), opts.auto_renew_value());
-                            return Ok(Lease::new(state, inner.clone()));
+                            return Ok(grant(token, v));
                         }
                         None => {
                             pending.release_now().await;
@@ -326,6 +329,13 @@ impl Client {
                     Err(e) => e,
                 });
             }
+            if req.fair.is_some() {
+                // A queued waiter is woken (or handed the lock) by the release; its own
+                // retries only keep its queue entry alive and cover a lost wake-up, so early
+                // short pauses would only add server calls that the releases have to queue
+                // behind.
+                backoff = max_backoff;
+            }
             let jittered = rand::thread_rng().gen_range(backoff / 2..=backoff);
             let mut pause = jittered.min(deadline - now);
             if let Some(hint) = hint {
@@ -338,12 +348,28 @@ impl Client {
                 Some(mut wake) => {
                     let mine = async {
                         while wake.changed().await.is_ok() {
-                            if wake.borrow_and_update().concerns(&req.owner) {
-                                break;
+                            let w = wake.borrow_and_update();
+                            if w.concerns(&req.owner) {
+                                return w.granted;
                             }
                         }
+                        None
                     };
-                    let _ = tokio::time::timeout(pause, mine).await;
+                    let handed = tokio::time::timeout(pause, mine).await.ok().flatten();
+                    // A release handed the lock to this waiter. Its expiry on the engine started
+                    // after this attempt was answered (the release found the queue entry it
+                    // made), so validity counts from the attempt's start; the entry's time
+                    // left may cut it, and the watchdog then renews to the full TTL early. A
+                    // lease that will not renew itself takes the grant by retrying instead,
+                    // which resets the expiry to the full TTL.
+                    if let (Some(token), Some(window)) = (handed, req.fair) {
+                        let v = handoff_validity(ttl, window, started.elapsed());
+                        if let Some(v) = v.filter(|v| opts.auto_renew_value() && usable(ttl, *v)) {
+                            pending.armed = false;
+                            return Ok(grant(token, v));
+                        }
+                        continue;
+                    }
                 }
                 None => tokio::time::sleep(pause).await,
             }

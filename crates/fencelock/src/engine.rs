@@ -59,6 +59,9 @@ pub(crate) struct Wake {
     pub seq: u64,
     /// In FIFO mode, the only waiter that can win next; the others keep waiting.
     pub only: Option<String>,
+    /// The release handed the lock straight to `only` with this token: that waiter holds it
+    /// from the moment the release ran, for its TTL cut to what was left of its queue entry.
+    pub granted: Option<FencingToken>,
 }
 
 impl Wake {

@@ -139,6 +139,14 @@ pub fn validity(ttl: Duration, elapsed: Duration) -> Option<Duration> {
         .filter(|v| !v.is_zero())
 }
 
+/// Validity left of a grant whose expiry on the engine is `ttl` cut to `window`, both counted
+/// from no earlier than `elapsed` ago: `validity(ttl, elapsed)` less what the cut takes away.
+/// A lock handed over by a release gets such an expiry (its TTL, cut to what is left of the
+/// waiter's queue entry) and the waiter counts from before its last refused attempt.
+pub fn handoff_validity(ttl: Duration, window: Duration, elapsed: Duration) -> Option<Duration> {
+    validity(ttl, elapsed.saturating_add(ttl.saturating_sub(window)))
+}
+
 /// Whether a grant whose validity is `validity` is worth handing out. Below a tenth of the TTL
 /// the holder could barely start work before the lease runs out, so the grant is released and
 /// retried instead.
@@ -222,6 +230,18 @@ mod tests {
                     prop_assert!(v < ttl);
                 }
                 None => prop_assert!(elapsed + drift(ttl) >= ttl),
+            }
+        }
+
+        #[test]
+        fn handoff_validity_ends_before_the_cut_expiry(ttl_ms in 100u64..1_000_000, window_ms in 1u64..2_000_000, elapsed_us in 0u64..2_000_000_000) {
+            let (ttl, window) = (Duration::from_millis(ttl_ms), Duration::from_millis(window_ms));
+            let elapsed = Duration::from_micros(elapsed_us);
+            if let Some(v) = handoff_validity(ttl, window, elapsed) {
+                prop_assert!(v + elapsed + drift(ttl) <= ttl.min(window));
+            }
+            if window >= ttl {
+                prop_assert_eq!(handoff_validity(ttl, window, elapsed), validity(ttl, elapsed));
             }
         }
 

@@ -74,7 +74,17 @@ impl Watchdog {
     }
 
     pub(crate) fn register(&self, lease: Arc<LeaseState>, auto_renew: bool) {
-        let next_renew = Instant::now() + renew_interval(lease.ttl);
+        let now = Instant::now();
+        // A lease that starts with much less validity than its TTL (a lock handed over by a
+        // release, whose expiry was cut to the waiter's queue entry) renews once a third of
+        // that validity has passed, not a third of its TTL, which would be too late.
+        let left = lease.deadline().saturating_duration_since(now);
+        let next_renew = now
+            + if left < lease.ttl / 2 {
+                left / 3
+            } else {
+                renew_interval(lease.ttl)
+            };
         let first_event = if auto_renew {
             next_renew.min(lease.deadline())
         } else {

@@ -373,6 +373,79 @@ async fn fair_mode_grants_in_arrival_order() {
     assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
 }
 
+/// Script calls (EVALSHA and EVAL) the server has run so far.
+fn script_calls(server: &RedisServer) -> u64 {
+    cli(server, &["INFO", "commandstats"])
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt() {
+    let server = RedisServer::start().unwrap();
+    let holder = connect(&server.url()).await;
+    let waiter = connect(&server.url()).await;
+    // Loads the release script, so that counting calls below counts no first NOSCRIPT try.
+    let warm = holder.try_acquire("warm", &LockOptions::default()).await;
+    warm.unwrap().release().await.unwrap();
+    let first = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let keys = holder.keys_for("r").unwrap();
+    let (lock, queue) = (keys[0].1.clone(), keys[3].1.clone());
+    // The waiter's next attempt would come seconds later; its queue entry lives 4 backoffs
+    // plus the operation timeout (21 s), less than the TTL, so the grant's expiry is cut.
+    let ttl = Duration::from_secs(60);
+    let opts = LockOptions::default()
+        .ttl(ttl)
+        .fair(true)
+        .wait(Duration::from_secs(60))
+        .backoff(Duration::from_secs(4), Duration::from_secs(4));
+    let waiting = tokio::spawn(async move {
+        let lease = waiter.acquire("r", &opts).await.unwrap();
+        (lease, waiter)
+    });
+    let srv = &server;
+    let q = queue.clone();
+    assert!(wait_until(Duration::from_secs(5), || cli(
+        srv,
+        &["ZCARD", &q]
+    ) == "1"));
+    let before = script_calls(&server);
+    let first_token = first.token();
+    first.release().await.unwrap();
+    let (second, _waiter) = timeout(Duration::from_secs(10), waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    // The release granted it: the waiter sent nothing between the release and its lease.
+    assert_eq!(script_calls(&server) - before, 1);
+    assert!(second.token() > first_token);
+    assert_eq!(cli(&server, &["GET", &lock]), second.owner());
+    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+    let holder_now = holder.inspect("r").await.unwrap().unwrap();
+    assert_eq!(holder_now.token, Some(second.token()));
+    // The grant's expiry was cut to the waiter's queue entry; the watchdog renews it to the
+    // full TTL well before the cut runs out.
+    let pttl = |s: &RedisServer| cli(s, &["PTTL", &lock]).parse::<u64>().unwrap();
+    assert!(pttl(&server) <= 21_000, "grant expiry {} ms", pttl(&server));
+    assert!(second.time_left() < ttl / 2);
+    assert!(wait_until(Duration::from_secs(10), || pttl(srv) > 50_000));
+    assert!(wait_until(Duration::from_secs(5), || second.time_left() > ttl / 2));
+    second.release().await.unwrap();
+    assert_eq!(cli(&server, &["EXISTS", &lock]), "0");
+}
+
 #[tokio::test]
 async fn a_cancelled_fair_waiter_leaves_no_queue_entry() {
     let server = RedisServer::start().unwrap();
@@ -407,24 +480,9 @@ async fn renewals_are_batched_into_one_call_per_tick() {
                 .unwrap(),
         );
     }
-    let calls = |s: &RedisServer| -> u64 {
-        let stats = cli(s, &["INFO", "commandstats"]);
-        stats
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
-    };
-    let before = calls(&server);
+    let before = script_calls(&server);
     tokio::time::sleep(ttl * 4).await;
-    let during = calls(&server) - before;
+    let during = script_calls(&server) - before;
     // Four TTLs are twelve renewal ticks; one call per lease would be 3,600.
     assert!(during <= 40, "{during} script calls renewing 300 leases");
     for l in &leases {

@@ -7,7 +7,7 @@
 //! | `P lock: N` | string | the holder's owner value, set with `SET key owner NX PX ttl` |
 //! | `P fence: N` | string | the fencing counter (no expiry) |
 //! | `P meta: N` | hash | holder metadata (owner, token, host, pid, client, times), same expiry as the lock |
-//! | `P queue: N`, `P qexp: N`, `P qseq: N` | zset, zset, string | FIFO waiters (fair mode only) |
+//! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
 //! | `P wake: N` | pub/sub channel | a message on every release |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
 //! | `P seen: N` | string | the highest token a [`RedisFence`](crate::fence::RedisFence) has accepted for resource `N` |
@@ -36,6 +36,7 @@ pub(crate) struct Keys {
     pub queue: String,
     pub qexp: String,
     pub qseq: String,
+    pub qinfo: String,
     pub wake: String,
 }
 
@@ -49,6 +50,7 @@ impl Keys {
             queue: k("queue"),
             qexp: k("qexp"),
             qseq: k("qseq"),
+            qinfo: k("qinfo"),
             wake: k("wake"),
         }
     }
@@ -61,6 +63,7 @@ impl Keys {
             ("queue", self.queue.clone()),
             ("qexp", self.qexp.clone()),
             ("qseq", self.qseq.clone()),
+            ("qinfo", self.qinfo.clone()),
             ("wake", self.wake.clone()),
         ]
     }

@@ -6,7 +6,7 @@ use redis::Script;
 
 /// Acquire, advancing the fencing counter in the same step.
 ///
-/// KEYS: lock, fence, meta, node, queue, qexp, qseq.
+/// KEYS: lock, fence, meta, node, queue, qexp, qseq, qinfo.
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, host, pid,
 /// client, now_ms (holder's wall clock), fair waiter ttl_ms (0: not fair).
 ///
@@ -49,6 +49,7 @@ if fair > 0 then
   for _, w in ipairs(gone) do
     redis.call('ZREM', KEYS[5], w)
     redis.call('ZREM', KEYS[6], w)
+    redis.call('HDEL', KEYS[8], w)
   end
   local head = redis.call('ZRANGE', KEYS[5], 0, 0)[1]
   if cur or (head and head ~= ARGV[1]) then
@@ -56,12 +57,15 @@ if fair > 0 then
       redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[7]), ARGV[1])
     end
     redis.call('ZADD', KEYS[6], now + fair, ARGV[1])
-    for i = 5, 7 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
+    -- What a release needs to hand the lock straight to this waiter.
+    redis.call('HSET', KEYS[8], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[5], ARGV[6], ARGV[7]))
+    for i = 5, 8 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
     return held()
   end
   if head then
     redis.call('ZREM', KEYS[5], ARGV[1])
     redis.call('ZREM', KEYS[6], ARGV[1])
+    redis.call('HDEL', KEYS[8], ARGV[1])
   end
 elseif cur then
   return held()
@@ -113,13 +117,22 @@ return out
 /// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
 /// announces the change to waiters.
 ///
-/// KEYS: lock, meta, queue, qexp. ARGV: owner, wake channel. Reply: 1 when the lock was
-/// this owner's and is now deleted.
+/// KEYS: lock, meta, queue, qexp, fence, qinfo. ARGV: owner, wake channel, handoff (1: hand
+/// the lock to the head of the FIFO queue). Reply: 1 when the lock was this owner's and is now
+/// deleted (or handed on).
 ///
 /// The announcement goes out only when someone waits (a refused attempt marked the metadata,
 /// or the FIFO queue is not empty): an uncontended release publishes nothing, which spares
 /// every subscribed client a wake-up. Its payload is the owner at the head of the FIFO queue
 /// (empty without one), so that in fair mode only the waiter that can win retries.
+///
+/// With `handoff` (one node only: a Redlock grant needs a majority, which one node's script
+/// cannot give), the lock goes straight to the oldest waiter still in the queue, as its own
+/// attempt would have taken it (counter advanced, metadata written), and the payload is
+/// `owner token`: the waiter holds the lock without another round trip. The grant's expiry is
+/// the waiter's TTL, cut to what is left of its queue entry, so a waiter that died while queued
+/// blocks the lock no longer than its entry would have; the waiter's client renews the lease
+/// to its full TTL at once.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -128,20 +141,52 @@ local queue = redis.call('EXISTS', KEYS[3]) == 1
 if queue then
   queued = redis.call('ZREM', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[6], ARGV[1])
+end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  if queued == 1 then
+    redis.call('PUBLISH', ARGV[2], redis.call('ZRANGE', KEYS[3], 0, 0)[1] or '')
+  end
+  return 0
+end
+local waiting = redis.call('HGET', KEYS[2], 'waiting')
+redis.call('DEL', KEYS[1], KEYS[2])
+if queue and ARGV[3] == '1' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
+  for _, w in ipairs(gone) do
+    redis.call('ZREM', KEYS[3], w)
+    redis.call('ZREM', KEYS[4], w)
+    redis.call('HDEL', KEYS[6], w)
+  end
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  local info = head and redis.call('HGET', KEYS[6], head)
+  if info then
+    local ttl, host, pid, client = cmsgpack.unpack(info)
+    local left = tonumber(redis.call('ZSCORE', KEYS[4], head)) - now
+    local px = math.min(tonumber(ttl), left)
+    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local tok = tonumber(redis.call('GET', KEYS[5]) or '0') + 1
+    if floor > tok then tok = floor end
+    local s = string.format('%.0f', tok)
+    redis.call('SET', KEYS[5], s)
+    redis.call('SET', KEYS[1], head, 'PX', px)
+    redis.call('HSET', KEYS[2], 'owner', head, 'token', s, 'host', host, 'pid', pid,
+      'client', client, 'acquired_at', now, 'renewed_at', now, 'ttl', ttl)
+    redis.call('PEXPIRE', KEYS[2], px)
+    redis.call('ZREM', KEYS[3], head)
+    redis.call('ZREM', KEYS[4], head)
+    redis.call('HDEL', KEYS[6], head)
+    redis.call('PUBLISH', ARGV[2], head .. ' ' .. s)
+    return 1
+  end
 end
 local head = queue and redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  local waiting = redis.call('HGET', KEYS[2], 'waiting')
-  redis.call('DEL', KEYS[1], KEYS[2])
-  if waiting or head then
-    redis.call('PUBLISH', ARGV[2], head or '')
-  end
-  return 1
-end
-if queued == 1 then
+if waiting or head then
   redis.call('PUBLISH', ARGV[2], head or '')
 end
-return 0
+return 1
 "#,
     )
 });
