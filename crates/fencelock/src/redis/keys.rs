@@ -8,7 +8,8 @@
 //! | `P fence: N` | string | the fencing counter (no expiry) |
 //! | `P meta: N` | hash | holder metadata (owner, token, host, pid, client, times), same expiry as the lock |
 //! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
-//! | `P wake: N` | pub/sub channel | a message on every release |
+//! | `P wake: N` | pub/sub channel | a message on every release that someone waits for |
+//! | `P client: C` | pub/sub channel | the handoffs to the fair waiters of one client (`C`: a random id per client) |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
 //! | `P seen: N` | string | the highest token a [`RedisFence`](crate::fence::RedisFence) has accepted for resource `N` |
 //! | `P audit` | stream | the audit log of forced releases under this prefix, capped near 10,000 entries |
@@ -113,6 +114,11 @@ pub(crate) fn name_of_lock_key<'a>(prefix: &str, key: &'a str) -> Option<&'a str
 }
 
 /// The resource name a wake-up channel belongs to.
+/// The channel on which one client hears that a release handed it a lock.
+pub(crate) fn client_channel(prefix: &str, id: &str) -> String {
+    format!("{prefix}client:{id}")
+}
+
 pub(crate) fn name_of_wake_channel<'a>(prefix: &str, channel: &'a str) -> Option<&'a str> {
     channel.strip_prefix(prefix)?.strip_prefix("wake:")
 }

@@ -78,6 +78,7 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
     }
     let shutdown = CancellationToken::new();
     let wakers = Arc::new(Wakers::default());
+    let channel = keys::client_channel(&cfg.prefix, &format!("{:016x}", rand::random::<u64>()));
     let mut conns = Vec::with_capacity(nodes.len());
     for (node, url) in nodes.iter().zip(&urls) {
         let client = redis::Client::open(url.as_str())
@@ -97,6 +98,7 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
         tokio::spawn(listen_for_wakeups(
             client,
             cfg.prefix.clone(),
+            channel.clone(),
             wakers.clone(),
             shutdown.clone(),
         ));
@@ -114,6 +116,7 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
         op_timeout: cfg.op_timeout,
         max_ttl: cfg.max_ttl,
         wakers,
+        channel,
         shutdown,
     };
     if !quorum {
@@ -138,6 +141,8 @@ pub(crate) struct RedisEngine {
     op_timeout: Duration,
     max_ttl: Duration,
     wakers: Arc<Wakers>,
+    /// This client's own wake-up channel: handoffs to its fair waiters.
+    channel: String,
     shutdown: CancellationToken,
 }
 
@@ -338,7 +343,8 @@ impl RedisEngine {
             .arg(req.meta.pid)
             .arg(&req.meta.client)
             .arg(unix_millis(SystemTime::now()))
-            .arg(req.fair.map_or(0, ms));
+            .arg(req.fair.map_or(0, ms))
+            .arg(&self.channel);
         let reply: Vec<Value> = node.run(inv, limit).await?;
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
@@ -683,11 +689,13 @@ impl Wakers {
     }
 }
 
-/// Keeps one pattern subscription to every wake channel under the prefix on one node, and
-/// reconnects when it drops. While it is down, waiters fall back to sleeping.
+/// Keeps one pattern subscription to every wake channel under the prefix on one node, and one
+/// to this client's own channel, and reconnects when they drop. While they are down, waiters
+/// fall back to sleeping.
 async fn listen_for_wakeups(
     client: redis::Client,
     prefix: String,
+    channel: String,
     wakers: Arc<Wakers>,
     shutdown: CancellationToken,
 ) {
@@ -697,11 +705,20 @@ async fn listen_for_wakeups(
         let session = async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.psubscribe(&pattern).await?;
+            pubsub.subscribe(&channel).await?;
             let mut stream = pubsub.on_message();
             while let Some(msg) = stream.next().await {
-                if let Some(name) = keys::name_of_wake_channel(&prefix, msg.get_channel_name()) {
-                    let (only, granted) = wake_payload(msg.get_payload_bytes());
-                    wakers.wake(name, only, granted);
+                let payload = msg.get_payload_bytes();
+                if msg.get_channel_name() == channel {
+                    if let Some((name, owner, token)) = handoff_payload(&prefix, payload) {
+                        wakers.wake(name, Some(owner.to_owned()), Some(token));
+                    }
+                } else if let Some(name) =
+                    keys::name_of_wake_channel(&prefix, msg.get_channel_name())
+                {
+                    let only = Some(String::from_utf8_lossy(payload).into_owned())
+                        .filter(|o| !o.is_empty());
+                    wakers.wake(name, only, None);
                 }
             }
             Ok::<(), redis::RedisError>(())
@@ -724,18 +741,17 @@ async fn listen_for_wakeups(
     }
 }
 
-/// A release announcement's payload: empty, the owner at the head of the FIFO queue, or that
-/// owner and the token of the grant the release handed it (`owner token`).
-fn wake_payload(payload: &[u8]) -> (Option<String>, Option<FencingToken>) {
-    let text = String::from_utf8_lossy(payload);
-    match text.split_once(' ') {
-        Some((owner, token)) => match token.parse::<u64>() {
-            Ok(t) => (Some(owner.to_owned()), Some(FencingToken::new(t))),
-            Err(_) => (Some(text.into_owned()), None),
-        },
-        None if text.is_empty() => (None, None),
-        None => (Some(text.into_owned()), None),
-    }
+/// A handoff's payload on a client channel, `owner token wake-channel`: the resource (from its
+/// wake channel, whose name may hold spaces), the waiter the lock was handed to, and its token.
+fn handoff_payload<'a>(
+    prefix: &str,
+    payload: &'a [u8],
+) -> Option<(&'a str, &'a str, FencingToken)> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let (owner, rest) = text.split_once(' ')?;
+    let (token, channel) = rest.split_once(' ')?;
+    let name = keys::name_of_wake_channel(prefix, channel)?;
+    Some((name, owner, FencingToken::new(token.parse().ok()?)))
 }
 
 #[cfg(test)]
@@ -743,17 +759,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn wake_payload_tells_a_wake_up_from_a_handoff() {
-        assert_eq!(wake_payload(b""), (None, None));
-        assert_eq!(wake_payload(b"abc"), (Some("abc".to_owned()), None));
+    fn handoff_payload_names_resource_owner_and_token() {
+        let p = "fencelock:v1:";
         assert_eq!(
-            wake_payload(b"abc 1700000000000001"),
-            (
-                Some("abc".to_owned()),
-                Some(FencingToken::new(1_700_000_000_000_001))
-            )
+            handoff_payload(
+                p,
+                b"abc 1700000000000001 fencelock:v1:wake:a name: with spaces"
+            ),
+            Some((
+                "a name: with spaces",
+                "abc",
+                FencingToken::new(1_700_000_000_000_001)
+            ))
         );
-        // A payload that is not a handoff is never read as one.
-        assert_eq!(wake_payload(b"abc def"), (Some("abc def".to_owned()), None));
+        assert_eq!(handoff_payload(p, b"abc 17 other:v1:wake:x"), None);
+        assert_eq!(handoff_payload(p, b"abc def fencelock:v1:wake:x"), None);
+        assert_eq!(handoff_payload(p, b"abc"), None);
+        assert_eq!(handoff_payload(p, b""), None);
     }
 }

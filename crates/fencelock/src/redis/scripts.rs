@@ -8,7 +8,8 @@ use redis::Script;
 ///
 /// KEYS: lock, fence, meta, node, queue, qexp, qseq, qinfo.
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, host, pid,
-/// client, now_ms (holder's wall clock), fair waiter ttl_ms (0: not fair).
+/// client, now_ms (holder's wall clock), fair waiter ttl_ms (0: not fair), the client's own
+/// wake-up channel (where a release tells this waiter it was handed the lock).
 ///
 /// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, {meta fields}}` when
 /// held. The metadata hash keeps the lease TTL (`ttl`, ms) for the stuck-lock runbook, which
@@ -58,7 +59,7 @@ if fair > 0 then
     end
     redis.call('ZADD', KEYS[6], now + fair, ARGV[1])
     -- What a release needs to hand the lock straight to this waiter.
-    redis.call('HSET', KEYS[8], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[5], ARGV[6], ARGV[7]))
+    redis.call('HSET', KEYS[8], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[5], ARGV[6], ARGV[7], ARGV[10]))
     for i = 5, 8 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
     return held()
   end
@@ -128,8 +129,9 @@ return out
 ///
 /// With `handoff` (one node only: a Redlock grant needs a majority, which one node's script
 /// cannot give), the lock goes straight to the oldest waiter still in the queue, as its own
-/// attempt would have taken it (counter advanced, metadata written), and the payload is
-/// `owner token`: the waiter holds the lock without another round trip. The grant's expiry is
+/// attempt would have taken it (counter advanced, metadata written), and only the waiter's
+/// own client hears of it, on its client channel, with the payload `owner token wake-channel`:
+/// the waiter holds the lock without another round trip, and no other client is woken. The grant's expiry is
 /// the waiter's TTL, cut to what is left of its queue entry, so a waiter that died while queued
 /// blocks the lock no longer than its entry would have; the waiter's client renews the lease
 /// to its full TTL at once.
@@ -163,7 +165,7 @@ if queue and ARGV[3] == '1' then
   local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   local info = head and redis.call('HGET', KEYS[6], head)
   if info then
-    local ttl, host, pid, client = cmsgpack.unpack(info)
+    local ttl, host, pid, client, channel = cmsgpack.unpack(info)
     local left = tonumber(redis.call('ZSCORE', KEYS[4], head)) - now
     local px = math.min(tonumber(ttl), left)
     local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -178,7 +180,7 @@ if queue and ARGV[3] == '1' then
     redis.call('ZREM', KEYS[3], head)
     redis.call('ZREM', KEYS[4], head)
     redis.call('HDEL', KEYS[6], head)
-    redis.call('PUBLISH', ARGV[2], head .. ' ' .. s)
+    redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. ARGV[2])
     return 1
   end
 end
