@@ -145,6 +145,25 @@ impl PgServer {
     }
 }
 
+impl PgServer {
+    /// Starts `psql` in the background running `sql` as one session (`-X -q -v
+    /// ON_ERROR_STOP=1`, output discarded): a second client, as an operator at a terminal
+    /// would be. The caller waits for its effect and kills it when done.
+    pub fn psql_session(&self, sql: &str) -> io::Result<Child> {
+        let bin = self.bindir.join("psql");
+        Command::new(&bin)
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d"])
+            .arg(self.url())
+            .arg("-c")
+            .arg(sql)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| explain_spawn_error(e, &bin))
+    }
+}
+
 impl Drop for PgServer {
     /// An immediate shutdown (SIGQUIT: no checkpoint, the cluster is thrown away anyway), so
     /// that the postmaster reaps its own backends: SIGKILLed ones are orphaned, and where the

@@ -129,6 +129,15 @@ async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Eng
                 "this build of fencelock lacks the `redis` feature",
             ))
         }
+        #[cfg(feature = "postgres")]
+        Backend::Postgres { .. } => crate::postgres::open(backend, cfg).await,
+        #[cfg(not(feature = "postgres"))]
+        Backend::Postgres { .. } => {
+            let _ = cfg;
+            Err(Error::invalid(
+                "this build of fencelock lacks the `postgres` feature",
+            ))
+        }
     }
 }
 

@@ -43,6 +43,7 @@
 //! | `sqlite:///absolute/path.db` (`sqlite://` for the default file) | SQLite, many processes on one machine |
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
+//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
 //!
 //! # Validity
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
@@ -109,7 +110,11 @@ mod sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 mod redis;
 
-pub use backend::{default_sqlite_path, default_url, redact_url, Backend, RedisNode};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+mod postgres;
+
+pub use backend::{default_sqlite_path, default_url, redact_url, Backend, PgMode, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use error::{Error, ErrorKind, Result};
 pub use holder::Holder;
