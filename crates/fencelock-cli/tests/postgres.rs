@@ -51,9 +51,12 @@ fn hold(url: &str, dir: &tempfile::TempDir) -> Proc {
     let ready = dir.path().join("ready");
     let script = format!("touch {}; exec sleep 100", ready.display());
     let child = Proc(
-        fencelock(url, &["run", "--ttl", "30s", "job", "--", "sh", "-c", &script])
-            .spawn()
-            .unwrap(),
+        fencelock(
+            url,
+            &["run", "--ttl", "30s", "job", "--", "sh", "-c", &script],
+        )
+        .spawn()
+        .unwrap(),
     );
     assert!(wait_until(Duration::from_secs(10), || ready.exists()));
     child
@@ -87,17 +90,27 @@ fn key_is_the_advisory_lock_psql_takes() {
     let k = advisory_key(&url, "job");
     let dir = tempfile::tempdir().unwrap();
     let holder = hold(&url, &dir);
-    assert_eq!(query(&server, &format!("SELECT pg_try_advisory_lock({k})")), "f");
-    let out = fencelock(&url, &["run", "job", "--", "true"]).output().unwrap();
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "f"
+    );
+    let out = fencelock(&url, &["run", "job", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(75), "{out:?}");
     drop(holder);
     // The run's session ended with it: the lock is free at once.
     assert!(wait_until(Duration::from_secs(10), || {
         query(&server, &format!("SELECT pg_try_advisory_lock({k})")) == "t"
     }));
-    let out = fencelock(&format!("{url}?mode=lease"), &["key", "job"]).output().unwrap();
+    let out = fencelock(&format!("{url}?mode=lease"), &["key", "job"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("row\tfencelock_leases.key = fencelock:v1:job"), "{text}");
+    assert!(
+        text.contains("row\tfencelock_leases.key = fencelock:v1:job"),
+        "{text}"
+    );
 }
 
 #[test]

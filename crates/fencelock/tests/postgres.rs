@@ -60,7 +60,10 @@ async fn two_leases_of_one_client_exclude_each_other() {
     second.release().await.unwrap();
     // Released means released on the server too: a psql session can take it now.
     let k = advisory_key(&c, "job");
-    assert_eq!(query(&server, &format!("SELECT pg_try_advisory_lock({k})")), "t");
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "t"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,7 +75,10 @@ async fn psql_and_fencelock_exclude_each_other_on_the_printed_key() {
 
     // fencelock holds: psql's try fails.
     let lease = c.try_acquire("nightly-invoices", &opts).await.unwrap();
-    assert_eq!(query(&server, &format!("SELECT pg_try_advisory_lock({k})")), "f");
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "f"
+    );
     lease.release().await.unwrap();
 
     // psql holds: fencelock is refused and names the psql backend; once that session ends,
@@ -85,10 +91,17 @@ async fn psql_and_fencelock_exclude_each_other_on_the_printed_key() {
          WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = 'psql' \
          AND ((l.classid::bigint << 32) | l.objid::bigint) = {k}"
     );
-    assert!(fencelock_testkit::wait_until(LIMIT, || query(&server, &held_by_psql) == "1"));
+    assert!(fencelock_testkit::wait_until(LIMIT, || query(
+        &server,
+        &held_by_psql
+    ) == "1"));
     let e = c.try_acquire("nightly-invoices", &opts).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::HeldByAnother, "{e}");
-    let holder = c.inspect("nightly-invoices").await.unwrap().expect("held by psql");
+    let holder = c
+        .inspect("nightly-invoices")
+        .await
+        .unwrap()
+        .expect("held by psql");
     assert!(holder.owner.starts_with("postgres backend "), "{holder:?}");
     assert_eq!(holder.client.as_deref(), Some("psql"));
 
@@ -99,10 +112,8 @@ async fn psql_and_fencelock_exclude_each_other_on_the_printed_key() {
     };
     query(
         &server,
-        &format!(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'psql' \
-             AND pid <> pg_backend_pid()"
-        ),
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'psql' \
+         AND pid <> pg_backend_pid()",
     );
     let lease = timeout(LIMIT, waiter).await.unwrap().unwrap().unwrap();
     lease.release().await.unwrap();
@@ -160,10 +171,13 @@ async fn server_restart_means_lost_leases_and_tokens_survive() {
             timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
         }
         let c = client(&url).await;
-        let next = timeout(LIMIT, c.acquire("job", &opts.clone().wait(Duration::from_secs(5))))
-            .await
-            .unwrap()
-            .unwrap();
+        let next = timeout(
+            LIMIT,
+            c.acquire("job", &opts.clone().wait(Duration::from_secs(5))),
+        )
+        .await
+        .unwrap()
+        .unwrap();
         assert!(next.token() > first, "{first} then {}", next.token());
         next.release().await.unwrap();
     }
@@ -218,7 +232,10 @@ async fn ten_thousand_leases_share_at_most_ten_connections() {
         r.unwrap().unwrap();
     }
     assert_eq!(
-        query(&server, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"),
+        query(
+            &server,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        ),
         "0"
     );
 }
@@ -302,7 +319,11 @@ async fn forced_release_in_both_modes_is_audited_and_fences_the_old_holder() {
     let server = PgServer::start().unwrap();
     for url in [server.url(), lease_url(&server)] {
         // The audit log is shared by both modes; each mode has a name of its own here.
-        let name = if url.contains("mode=lease") { "stuck-row" } else { "stuck" };
+        let name = if url.contains("mode=lease") {
+            "stuck-row"
+        } else {
+            "stuck"
+        };
         let c = client(&url).await;
         let lease = c
             .try_acquire(name, &LockOptions::default().ttl(Duration::from_secs(30)))
@@ -317,10 +338,7 @@ async fn forced_release_in_both_modes_is_audited_and_fences_the_old_holder() {
         assert_eq!(record.holder.owner, lease.owner());
         assert!(record.counter > lease.token());
         assert!(c.inspect(name).await.unwrap().is_none());
-        let next = c
-            .try_acquire(name, &LockOptions::default())
-            .await
-            .unwrap();
+        let next = c.try_acquire(name, &LockOptions::default()).await.unwrap();
         assert!(next.token() > record.counter);
         let audit = c.audit(Some(name)).await.unwrap();
         assert_eq!(audit.len(), 1, "{url}");

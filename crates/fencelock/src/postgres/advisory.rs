@@ -72,7 +72,7 @@ enum Held {
     Granted {
         owner: String,
         name: String,
-        holder: Holder,
+        holder: Box<Holder>,
         /// The TTL enforced here, since the server has none: a lease neither renewed nor
         /// released by then (dropped, or its process's renewals stalled) is unlocked.
         expires: Instant,
@@ -221,7 +221,10 @@ impl AdvisoryEngine {
              LEFT JOIN pg_stat_activity a ON a.pid = l.pid
              WHERE {ADVISORY_HELD} AND {LOCK_KEY} = $1"
         );
-        let rows = self.shared.bounded(client.query(&sql, &[&key, &row])).await?;
+        let rows = self
+            .shared
+            .bounded(client.query(&sql, &[&key, &row]))
+            .await?;
         rows.first()
             .map(|r| holder_from(r, 0))
             .transpose()
@@ -396,7 +399,7 @@ async fn grant(
                     Attempt::Granted(holder.token.unwrap_or(FencingToken::new(0)))
                 } else {
                     Attempt::Held {
-                        holder: Some(holder.clone()),
+                        holder: Some(Holder::clone(holder)),
                         retry_in: None,
                         wake: None,
                     }
@@ -467,7 +470,7 @@ async fn grant(
         Held::Granted {
             owner: req.owner.clone(),
             name: req.name.clone(),
-            holder,
+            holder: Box::new(holder),
             expires: started + req.ttl,
         },
     );
@@ -522,7 +525,10 @@ impl Engine for AdvisoryEngine {
                 "advisory",
                 advisory_key(&self.shared.prefix, name).to_string(),
             ),
-            ("token row", format!("fencelock_tokens.key = {}", self.shared.key(name))),
+            (
+                "token row",
+                format!("fencelock_tokens.key = {}", self.shared.key(name)),
+            ),
         ]
     }
 
@@ -694,7 +700,10 @@ impl Engine for AdvisoryEngine {
                 Some(pid) => pid,
                 None => {
                     let r = tx
-                        .query_one("SELECT backend_pid FROM fencelock_tokens WHERE key = $1", &[&row])
+                        .query_one(
+                            "SELECT backend_pid FROM fencelock_tokens WHERE key = $1",
+                            &[&row],
+                        )
                         .await?;
                     r.try_get(0)?
                 }

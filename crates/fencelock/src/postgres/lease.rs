@@ -154,7 +154,10 @@ impl Engine for LeaseEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![("row", format!("fencelock_leases.key = {}", self.shared.key(name)))]
+        vec![(
+            "row",
+            format!("fencelock_leases.key = {}", self.shared.key(name)),
+        )]
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

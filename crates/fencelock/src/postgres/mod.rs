@@ -476,10 +476,7 @@ mod tests {
         // SHA-256("fencelock:v1:nightly-invoices"), first 8 bytes, big-endian, signed.
         let digest = Sha256::digest(b"fencelock:v1:nightly-invoices");
         let expected = i64::from_be_bytes(digest[..8].try_into().unwrap());
-        assert_eq!(
-            advisory_key("fencelock:v1:", "nightly-invoices"),
-            expected
-        );
+        assert_eq!(advisory_key("fencelock:v1:", "nightly-invoices"), expected);
         assert_ne!(
             advisory_key("fencelock:v1:", "a"),
             advisory_key("fencelock:v1:", "b")
@@ -490,6 +487,8 @@ mod tests {
     fn channel_names_are_plain_identifiers() {
         let c = channel_name("odd \"prefix\"; DROP TABLE x");
         assert!(c.len() < 63);
-        assert!(c.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+        assert!(c
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
     }
 }
