@@ -114,6 +114,10 @@ mod redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 mod postgres;
 
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod pg;
+
 pub use backend::{default_sqlite_path, default_url, redact_url, Backend, PgMode, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use error::{Error, ErrorKind, Result};
