@@ -141,3 +141,46 @@ fn run_is_terminated_when_the_server_restarts() {
     server.restart().unwrap();
     assert_lost_within(holder, Duration::from_secs(5));
 }
+
+/// `fencelock bench` on PostgreSQL prints the pgbench reference of the same statements and
+/// the ratios to it.
+#[test]
+fn bench_measures_pgbench_reference_in_the_same_run() {
+    let server = PgServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("bench.json");
+    let child = Command::new(BIN)
+        .args([
+            "bench",
+            "--backend",
+            &server.url(),
+            "--seconds",
+            "1",
+            "--quick",
+            "--json",
+        ])
+        .env_remove("FENCELOCK_URL")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut child = Proc(child);
+    let mut status = None;
+    assert!(wait_until(Duration::from_secs(120), || {
+        status = child.0.try_wait().unwrap();
+        status.is_some()
+    }));
+    let json = std::fs::read_to_string(&out_path).unwrap();
+    assert_eq!(status.unwrap().code(), Some(0), "{json}");
+    for field in [
+        "\"engine\":\"postgres\"",
+        "\"reference.pgbench.c1.pairs_per_s\":",
+        "\"reference.pgbench.c3.pairs_per_s\":",
+        "\"uncontended.sequential.pgbench_ratio\":",
+        "\"uncontended.tasks64.pgbench_ratio\":",
+        "\"reference.tool\":\"pgbench",
+    ] {
+        assert!(json.contains(field), "{field} missing from {json}");
+    }
+}
