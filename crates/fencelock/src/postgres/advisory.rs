@@ -1,14 +1,15 @@
 //! Advisory mode: session advisory locks on a few pooled sessions. See the module docs of
 //! [`super`] for the design.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use async_trait::async_trait;
-use futures_util::future::join_all;
+use futures_util::future::{join_all, BoxFuture};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
@@ -263,7 +264,8 @@ fn holder_from(
     }
 }
 
-/// Runs one session's grants and releases, one after another in the order they were asked,
+/// Runs one session's grants and releases: those of different keys concurrently (pipelined
+/// on the connection), those of one key one after another in the order they were asked, and
 /// whether or not the caller still waits for the answer.
 async fn work(
     s: Arc<Session>,
@@ -275,19 +277,67 @@ async fn work(
 ) {
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Keys with a statement in flight, and what waits behind it.
+    let mut busy: HashMap<i64, VecDeque<Op>> = HashMap::new();
+    let mut running: FuturesUnordered<BoxFuture<'static, Vec<i64>>> = FuturesUnordered::new();
     loop {
-        let op = tokio::select! {
+        tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = s.ended.cancelled() => return,
             _ = sweep.tick() => {
-                unlock_expired(&s, &channel, kind, limit).await;
-                continue;
+                let (keys, names) = take_expired(&s, &busy);
+                if !keys.is_empty() {
+                    for k in &keys {
+                        busy.insert(*k, VecDeque::new());
+                    }
+                    let (s, channel) = (s.clone(), channel.clone());
+                    running.push(Box::pin(async move {
+                        unlock_expired(&s, keys, names, &channel, kind, limit).await
+                    }));
+                }
             }
-            op = queue.recv() => match op {
-                Some(op) => op,
-                None => return,
-            },
-        };
+            op = queue.recv() => {
+                let Some(op) = op else { return };
+                let key = op.key();
+                match busy.get_mut(&key) {
+                    Some(behind) => behind.push_back(op),
+                    None => {
+                        busy.insert(key, VecDeque::new());
+                        running.push(run(s.clone(), op, kind, limit));
+                    }
+                }
+            }
+            Some(done) = running.next(), if !running.is_empty() => {
+                for key in done {
+                    let next = busy.get_mut(&key).and_then(VecDeque::pop_front);
+                    match next {
+                        Some(op) => running.push(run(s.clone(), op, kind, limit)),
+                        None => {
+                            busy.remove(&key);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Op {
+    fn key(&self) -> i64 {
+        match self {
+            Op::Acquire { key, .. } | Op::Release { key, .. } => *key,
+        }
+    }
+}
+
+/// One grant or release; resolves to the key it concerned.
+fn run(
+    s: Arc<Session>,
+    op: Op,
+    kind: &'static str,
+    limit: Duration,
+) -> BoxFuture<'static, Vec<i64>> {
+    Box::pin(async move {
         match op {
             Op::Acquire {
                 key,
@@ -296,6 +346,7 @@ async fn work(
                 reply,
             } => {
                 let _ = reply.send(grant(&s, key, &row, &req, kind, limit).await);
+                vec![key]
             }
             Op::Release {
                 key,
@@ -305,40 +356,48 @@ async fn work(
                 reply,
             } => {
                 let _ = reply.send(release(&s, key, &owner, &channel, &name, kind, limit).await);
+                vec![key]
             }
         }
-    }
+    })
 }
 
 /// How often a session looks for leases past their TTL.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
-/// Unlocks every lease of this session whose TTL passed without renewal or release, and wakes
-/// their waiters: one statement for all of them.
-async fn unlock_expired(s: &Session, channel: &str, kind: &'static str, limit: Duration) {
+/// Takes the leases of this session whose TTL passed without renewal or release (and that no
+/// statement is working on), marking them pending until their unlock is confirmed.
+fn take_expired(s: &Session, busy: &HashMap<i64, VecDeque<Op>>) -> (Vec<i64>, Vec<String>) {
     let now = Instant::now();
-    let (keys, names): (Vec<i64>, Vec<String>) = {
-        let mut held = lock(&s.held);
-        let expired: Vec<i64> = held
-            .iter()
-            .filter(|(_, h)| matches!(h, Held::Granted { expires, .. } if *expires <= now))
-            .map(|(k, _)| *k)
-            .collect();
-        expired
-            .into_iter()
-            .filter_map(|k| match held.remove(&k) {
-                Some(Held::Granted { name, .. }) => {
-                    // Until the unlock is confirmed nobody may be granted it here.
-                    held.insert(k, Held::Pending);
-                    Some((k, name))
-                }
-                _ => None,
-            })
-            .unzip()
-    };
-    if keys.is_empty() {
-        return;
-    }
+    let mut held = lock(&s.held);
+    let expired: Vec<i64> = held
+        .iter()
+        .filter(|(k, h)| {
+            !busy.contains_key(k) && matches!(h, Held::Granted { expires, .. } if *expires <= now)
+        })
+        .map(|(k, _)| *k)
+        .collect();
+    expired
+        .into_iter()
+        .filter_map(|k| match held.remove(&k) {
+            Some(Held::Granted { name, .. }) => {
+                held.insert(k, Held::Pending);
+                Some((k, name))
+            }
+            _ => None,
+        })
+        .unzip()
+}
+
+/// Unlocks expired leases and wakes their waiters: one statement for all of them.
+async fn unlock_expired(
+    s: &Session,
+    keys: Vec<i64>,
+    names: Vec<String>,
+    channel: &str,
+    kind: &'static str,
+    limit: Duration,
+) -> Vec<i64> {
     let answer = bounded(
         kind,
         limit,
@@ -361,6 +420,7 @@ async fn unlock_expired(s: &Session, channel: &str, kind: &'static str, limit: D
         // Left pending: the next attempt on each key unlocks it first.
         Err(e) => tracing::debug!(error = %e, "unlocking expired advisory leases failed"),
     }
+    keys
 }
 
 async fn bounded<T>(
