@@ -372,3 +372,60 @@ async fn unreachable_server_and_bad_urls_are_clear_errors() {
         assert_eq!(e.kind(), ErrorKind::InvalidInput, "{url}: {e}");
     }
 }
+
+/// Acquisitions cancelled at every stage (before, during and after the server's answer)
+/// leave nothing held once the client's clean-up is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_acquisitions_leave_no_lock_behind() {
+    let server = PgServer::start().unwrap();
+    for url in [server.url(), lease_url(&server)] {
+        let c = client(&url).await;
+        let opts = LockOptions::default().ttl(Duration::from_secs(30));
+        for i in 0..60u64 {
+            // Cancelled, granted, or refused while an earlier cancelled attempt's clean-up
+            // (in the background until `close`) has not run yet.
+            match timeout(Duration::from_micros(i * 25), c.try_acquire("job", &opts)).await {
+                Ok(Ok(lease)) => lease.release().await.unwrap(),
+                Ok(Err(e)) => assert_eq!(e.kind(), ErrorKind::HeldByAnother, "{url}: {e}"),
+                Err(_) => {}
+            }
+        }
+        timeout(LIMIT, c.close()).await.unwrap();
+        let other = client(&url).await;
+        let lease = other.try_acquire("job", &opts).await.unwrap();
+        lease.release().await.unwrap();
+        if !url.contains("mode=lease") {
+            assert_eq!(
+                query(
+                    &server,
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                ),
+                "0"
+            );
+        }
+    }
+}
+
+/// Advisory locks never expire on the server; a lease dropped without release is unlocked by
+/// its client once its TTL passes, so the resource does not stay taken while the process lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_advisory_lease_is_unlocked_after_its_ttl() {
+    let server = PgServer::start().unwrap();
+    let c = client(&server.url()).await;
+    let other = client(&server.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_millis(400));
+    let lease = c.try_acquire("job", &opts).await.unwrap();
+    let token = lease.token();
+    let dropped = tokio::time::Instant::now();
+    drop(lease);
+    let next = timeout(
+        LIMIT,
+        other.acquire("job", &opts.clone().wait(Duration::from_secs(5))),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(dropped.elapsed() >= Duration::from_millis(300));
+    assert!(next.token() > token);
+    next.release().await.unwrap();
+}

@@ -546,11 +546,21 @@ async fn release(
     kind: &'static str,
     limit: Duration,
 ) -> Result<bool> {
-    match lock(&s.held).get(&key) {
-        Some(Held::Granted { owner: o, .. }) if o == owner => {}
-        // An abandoned attempt: the next attempt on this key cleans it up.
-        Some(Held::Pending) => return Ok(false),
+    let pending = match lock(&s.held).get(&key) {
+        Some(Held::Granted { owner: o, .. }) if o == owner => false,
+        Some(Held::Pending) => true,
         _ => return Ok(false),
+    };
+    if pending {
+        // An attempt whose answer was lost (this owner's, typically, cancelled mid-flight):
+        // no lease was handed out for it, so whatever the session holds is undone now rather
+        // than at the next attempt on this key, which may never come.
+        bounded(kind, limit, s.client.query(&s.unlock, &[&key])).await?;
+        let mut held = lock(&s.held);
+        if matches!(held.get(&key), Some(Held::Pending)) {
+            held.remove(&key);
+        }
+        return Ok(false);
     }
     let answer = bounded(
         kind,

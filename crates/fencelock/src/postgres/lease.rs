@@ -111,6 +111,19 @@ impl LeaseEngine {
     /// A live connection, round robin, reconnecting a closed one.
     async fn client(&self) -> Result<Arc<Client>> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len();
+        self.client_at(i).await
+    }
+
+    /// The connection every grant and release of `name` goes through: statements on one
+    /// connection run in the order they were sent, so the release that cleans up after a
+    /// cancelled acquisition always runs after it, never overtakes it on another connection.
+    async fn client_for(&self, name: &str) -> Result<Arc<Client>> {
+        let key = super::advisory_key(&self.shared.prefix, name) as u64;
+        self.client_at((key % self.clients.len() as u64) as usize)
+            .await
+    }
+
+    async fn client_at(&self, i: usize) -> Result<Arc<Client>> {
         let mut slot = self.clients[i].lock().await;
         if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
@@ -122,6 +135,16 @@ impl LeaseEngine {
 
     async fn query(&self, sql: &str, params: &[(&(dyn ToSql + Sync), Type)]) -> Result<Vec<Row>> {
         let client = self.client().await?;
+        self.shared.bounded(client.query_typed(sql, params)).await
+    }
+
+    async fn query_for(
+        &self,
+        name: &str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>> {
+        let client = self.client_for(name).await?;
         self.shared.bounded(client.query_typed(sql, params)).await
     }
 
@@ -171,7 +194,8 @@ impl Engine for LeaseEngine {
         let wake = self.shared.subscribe(&req.name);
         let now = unix_millis(SystemTime::now());
         let rows = self
-            .query(
+            .query_for(
+                &req.name,
                 ACQUIRE,
                 &[
                     (&key, Type::TEXT),
@@ -235,7 +259,8 @@ impl Engine for LeaseEngine {
         let owner = owner.to_owned();
         let name = name.to_owned();
         let rows = self
-            .query(
+            .query_for(
+                &name,
                 RELEASE,
                 &[
                     (&key, Type::TEXT),
