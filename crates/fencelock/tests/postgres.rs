@@ -280,8 +280,9 @@ async fn lease_table_stale_owner_and_watchdog() {
 }
 
 #[tokio::test]
-async fn advisory_watchdog_keeps_leases() {
+async fn advisory_stale_owner_and_watchdog() {
     let server = PgServer::start().unwrap();
+    common::check_stale_owner(&server.url()).await;
     common::check_watchdog(&server.url()).await;
 }
 
