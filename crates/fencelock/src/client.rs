@@ -143,7 +143,7 @@ async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Eng
 
 impl Client {
     /// Starts building a client for a backend URL (`sqlite:///path.db`, `redis://host:port`,
-    /// `redlock://h1:p1,h2:p2,h3:p3`, ...).
+    /// `redlock://h1:p1,h2:p2,h3:p3`, `postgres://user@host/db`, ...).
     pub fn builder(url: impl Into<String>) -> ClientBuilder {
         ClientBuilder {
             url: url.into(),
@@ -159,7 +159,7 @@ impl Client {
         Client::builder(url).connect().await
     }
 
-    /// The engine's short name: `sqlite`, `redis`, `redlock`.
+    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`.
     pub fn engine(&self) -> &'static str {
         self.inner.engine.kind()
     }
