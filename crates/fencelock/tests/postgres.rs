@@ -430,3 +430,32 @@ async fn a_dropped_advisory_lease_is_unlocked_after_its_ttl() {
     assert!(next.token() > token);
     next.release().await.unwrap();
 }
+
+/// Lease-table mode keeps no session state and sends unnamed statements only, so it works
+/// through a transaction pooler (PgBouncer, pool_mode = transaction, 2 server connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_table_works_through_a_transaction_pooler() {
+    let server = PgServer::start().unwrap();
+    let pooler = fencelock_testkit::PgBouncer::start(&server).unwrap();
+    let url = format!("{}?mode=lease", pooler.url());
+    common::check_mutual_exclusion(&url, 8, 5).await;
+    common::check_stale_owner(&url).await;
+    common::check_watchdog(&url).await;
+    let c = client(&url).await;
+    let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
+    let record = c
+        .force_release(
+            "job",
+            &fencelock::ForceRelease::new("test").holder_is_dead(true),
+        )
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(record.counter > lease.token());
+    assert_eq!(
+        c.audit(Some("job")).await.unwrap().len(),
+        1,
+        "{}",
+        pooler.log()
+    );
+}
