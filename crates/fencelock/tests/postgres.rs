@@ -155,19 +155,27 @@ async fn terminated_backend_means_lost_leases_at_once() {
 async fn server_restart_means_lost_leases_and_tokens_survive() {
     let mut server = PgServer::start().unwrap();
     for url in [server.url(), lease_url(&server)] {
+        let lease_mode = url.contains("mode=lease");
         let c = client(&url).await;
-        let opts = LockOptions::default().ttl(Duration::from_secs(2));
+        let ttl = Duration::from_secs(if lease_mode { 10 } else { 2 });
+        let opts = LockOptions::default().ttl(ttl);
         let lease = c.try_acquire("job", &opts).await.unwrap();
         let first = lease.token();
         tokio::task::block_in_place(|| server.restart().unwrap());
-        // Advisory mode: the session ended, the lease is reported at once. Lease-table mode:
-        // the row survives the restart, and the lease stays valid as long as its renewals
-        // succeed on the new server.
-        if url.contains("mode=lease") {
-            tokio::time::sleep(Duration::from_millis(1500)).await;
+        if lease_mode {
+            // The row survives the restart: once the client has reconnected, the lease
+            // renews as before.
+            timeout(Duration::from_secs(5), async {
+                while lease.extend().await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+            .await
+            .unwrap();
             assert!(!lease.is_lost());
             lease.release().await.unwrap();
         } else {
+            // The session ended with the server: the lease is reported lost at once.
             timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
         }
         let c = client(&url).await;
