@@ -110,12 +110,17 @@ async fn psql_and_fencelock_exclude_each_other_on_the_printed_key() {
         let opts = opts.clone().wait(Duration::from_secs(15));
         tokio::spawn(async move { c.acquire("nightly-invoices", &opts).await })
     };
-    query(
-        &server,
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'psql' \
-         AND pid <> pg_backend_pid()",
-    );
+    // The runbook's forced release ends the psql session, the only way to take a session
+    // lock away from its holder.
+    let request = fencelock::ForceRelease::new("psql session left open").holder_is_dead(true);
+    let record = c
+        .force_release("nightly-invoices", &request)
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(record.holder.owner.starts_with("postgres backend "));
     let lease = timeout(LIMIT, waiter).await.unwrap().unwrap().unwrap();
+    assert!(lease.token() > record.counter);
     lease.release().await.unwrap();
     let _ = psql.kill();
     let _ = psql.wait();

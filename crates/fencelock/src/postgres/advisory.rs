@@ -216,21 +216,25 @@ impl AdvisoryEngine {
 
     /// The holder of `key` as the server sees it, read with `client`.
     async fn holder_of(&self, client: &Client, key: i64, row: &str) -> Result<Option<Holder>> {
-        let sql = format!(
-            "SELECT {HOLDER_COLUMNS} FROM pg_locks l
-             LEFT JOIN fencelock_tokens t ON t.key = $2
-             LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-             WHERE {ADVISORY_HELD} AND {LOCK_KEY} = $1"
-        );
         let rows = self
             .shared
-            .bounded(client.query(&sql, &[&key, &row]))
+            .bounded(client.query(&holder_sql(), &[&key, &row]))
             .await?;
         rows.first()
             .map(|r| holder_from(r, 0))
             .transpose()
             .map_err(|e| self.shared.error("reading the holder", e))
     }
+}
+
+/// Who holds one key (`$1`, its token row `$2`), in [`HOLDER_COLUMNS`].
+fn holder_sql() -> String {
+    format!(
+        "SELECT {HOLDER_COLUMNS} FROM pg_locks l
+         LEFT JOIN fencelock_tokens t ON t.key = $2
+         LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE {ADVISORY_HELD} AND {LOCK_KEY} = $1"
+    )
 }
 
 /// Builds a holder from [`HOLDER_COLUMNS`] starting at column `at`. A backend that did not
@@ -754,30 +758,24 @@ impl Engine for AdvisoryEngine {
         let row = self.shared.key(name);
         // A session of its own: the transaction must not interleave with pooled statements.
         let mut client = self.shared.connect().await?;
-        let Some(holder) = self.holder_of(&client, key, &row).await? else {
-            return Ok(None);
-        };
-        if expected_owner.is_some_and(|e| e != holder.owner) {
-            return Ok(None);
-        }
-        let backend: Option<i32> = holder
-            .owner
-            .strip_prefix("postgres backend ")
-            .and_then(|p| p.parse().ok());
         let steps = async {
             let tx = client.transaction().await?;
-            let pid: i32 = match backend {
-                Some(pid) => pid,
-                None => {
-                    let r = tx
-                        .query_one(
-                            "SELECT backend_pid FROM fencelock_tokens WHERE key = $1",
-                            &[&row],
-                        )
-                        .await?;
-                    r.try_get(0)?
-                }
+            // The counter row first: a grant racing with this release waits here for its
+            // token, so the mark below stays under every later grant's.
+            tx.execute(
+                "SELECT 1 FROM fencelock_tokens WHERE key = $1 FOR UPDATE",
+                &[&row],
+            )
+            .await?;
+            let rows = tx.query(&holder_sql(), &[&key, &row]).await?;
+            let Some(r) = rows.first() else {
+                return Ok(None);
             };
+            let pid: i32 = r.try_get(0)?;
+            let holder = holder_from(r, 0)?;
+            if expected_owner.is_some_and(|e| e != holder.owner) {
+                return Ok(None);
+            }
             let mark: i64 = tx
                 .query_one(
                     "INSERT INTO fencelock_tokens (key, lock_key, counter) VALUES ($1, $2, 1)
@@ -789,7 +787,7 @@ impl Engine for AdvisoryEngine {
                 .await?
                 .try_get(0)?;
             let mut record = draft.clone();
-            record.holder = holder.clone();
+            record.holder = holder;
             record.holder.ttl_left = None;
             record.counter = token_of(mark);
             insert_audit(&tx, &row, &record, None).await?;
@@ -801,11 +799,12 @@ impl Engine for AdvisoryEngine {
             if ended {
                 tx.commit().await?;
             }
-            Ok::<_, tokio_postgres::Error>((ended, record))
+            Ok::<_, tokio_postgres::Error>(Some((ended, record)))
         };
         let limit = self.shared.op_timeout + Duration::from_secs(5);
         let (ended, record) = match tokio::time::timeout(limit, steps).await {
-            Ok(Ok(v)) => v,
+            Ok(Ok(Some(v))) => v,
+            Ok(Ok(None)) => return Ok(None),
             Ok(Err(e)) => return Err(self.shared.error("forced release", e)),
             Err(_) => {
                 return Err(Error::engine_failure(
