@@ -481,6 +481,8 @@ mod tests {
             advisory_key("fencelock:v1:", "a"),
             advisory_key("fencelock:v1:", "b")
         );
+        // Pinned: psql scripts and other clients rely on this value never changing.
+        assert_eq!(advisory_key("fencelock:v1:", "job"), 2125831629337770132);
     }
 
     #[test]
