@@ -16,6 +16,9 @@ use tokio::time::Instant;
 
 use crate::{connect, exit, fail, BackendArg, Exit};
 
+#[cfg(feature = "postgres")]
+mod postgres;
+
 type LibResult<T> = std::result::Result<T, fencelock::Error>;
 
 const CLIENT_NAME: &str = "fencelock-bench";
@@ -72,6 +75,7 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
     };
     let reference = match &servers {
         Some(s) => Reference::prepare(s).await,
+        None if engine.starts_with("postgres") => Err("pgbench, measured in section 4".to_owned()),
         None => Err(format!("not applicable to the {engine} engine")),
     };
 
@@ -103,6 +107,10 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
         reference: reference.as_ref().ok(),
     };
     let outcome = bench.all(args.quick, servers.as_ref()).await;
+    #[cfg(feature = "postgres")]
+    if outcome.is_ok() && engine.starts_with("postgres") && !stop.is_set() {
+        postgres::reference(&url, args.seconds, &mut out, &stop).await;
+    }
 
     // Clean-up runs whatever happened above, so an engine failure mid-run leaves no bench keys.
     let cleaned = match &servers {
@@ -1628,6 +1636,13 @@ impl Out {
             "null".to_owned()
         };
         self.fields.push((key.to_owned(), v));
+    }
+
+    /// The last number recorded under `key`.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    fn value(&self, key: &str) -> Option<f64> {
+        let (_, v) = self.fields.iter().rev().find(|(k, _)| k == key)?;
+        v.parse().ok()
     }
 
     fn micros(&mut self, key: &str, d: Duration) {

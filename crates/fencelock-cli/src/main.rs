@@ -44,7 +44,8 @@ struct Cli {
 
 #[derive(Args, Debug, Clone)]
 pub struct BackendArg {
-    /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3.
+    /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3,
+    /// postgres://user@host:port/db[?mode=lease].
     /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
     #[arg(long, env = "FENCELOCK_URL", global = true)]
     backend: Option<String>,

@@ -7,7 +7,8 @@
 //! also simulate crashes ([`RedisServer::kill`]), hangs
 //! ([`RedisServer::pause`]) and amnesia ([`RedisServer::restart`]).
 //! [`PgServer`] does the same for PostgreSQL, whose restart is a crash and a
-//! recovery that keeps committed data.
+//! recovery that keeps committed data, and [`PgBouncer`] puts a transaction
+//! pooler in front of one.
 //!
 //! Nothing is installed: the binaries must already be present (on Debian,
 //! `apt-get install redis-server postgresql`), or be named by the
@@ -23,7 +24,7 @@ mod redis;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-pub use postgres::PgServer;
+pub use postgres::{PgBouncer, PgServer};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.

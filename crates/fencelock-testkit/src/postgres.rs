@@ -145,6 +145,25 @@ impl PgServer {
     }
 }
 
+impl PgServer {
+    /// Starts `psql` in the background running `sql` as one session (`-X -q -v
+    /// ON_ERROR_STOP=1`, output discarded): a second client, as an operator at a terminal
+    /// would be. The caller waits for its effect and kills it when done.
+    pub fn psql_session(&self, sql: &str) -> io::Result<Child> {
+        let bin = self.bindir.join("psql");
+        Command::new(&bin)
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d"])
+            .arg(self.url())
+            .arg("-c")
+            .arg(sql)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| explain_spawn_error(e, &bin))
+    }
+}
+
 impl Drop for PgServer {
     /// An immediate shutdown (SIGQUIT: no checkpoint, the cluster is thrown away anyway), so
     /// that the postmaster reaps its own backends: SIGKILLed ones are orphaned, and where the
@@ -440,6 +459,126 @@ fn read_lossy(path: &Path) -> String {
 fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+}
+
+/// Overrides the `pgbouncer` binary.
+const PGBOUNCER_ENV: &str = "FENCELOCK_PGBOUNCER";
+const PGBOUNCER_DEFAULT: &str = "/usr/sbin/pgbouncer";
+
+/// A PgBouncer in transaction pooling mode in front of a [`PgServer`], on its own loopback
+/// port: every transaction may run on another server connection, so session state (advisory
+/// locks, prepared statements, `LISTEN`) does not carry from one statement to the next. Two
+/// server connections serve every client.
+///
+/// Like the server, it runs as the `postgres` account when we are root (PgBouncer refuses
+/// root) and is killed on drop.
+#[derive(Debug)]
+pub struct PgBouncer {
+    port: u16,
+    child: Option<Child>,
+    dir: TempDir,
+}
+
+impl PgBouncer {
+    /// Starts PgBouncer (`$FENCELOCK_PGBOUNCER`, else `/usr/sbin/pgbouncer`, else `pgbouncer`
+    /// on the PATH) for `server`'s `postgres` database and waits until it accepts connections.
+    pub fn start(server: &PgServer) -> io::Result<PgBouncer> {
+        let bin = std::env::var_os(PGBOUNCER_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| {
+                let p = PathBuf::from(PGBOUNCER_DEFAULT);
+                p.is_file().then_some(p)
+            })
+            .unwrap_or_else(|| PathBuf::from("pgbouncer"));
+        let dir = tempfile::Builder::new()
+            .prefix("fencelock-pgbouncer-")
+            .tempdir()?;
+        if let Some((uid, gid)) = service_account()? {
+            nix::unistd::chown(dir.path(), Some(uid), Some(gid)).map_err(io::Error::from)?;
+        }
+        let mut last_err = None;
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let ini = dir.path().join("pgbouncer.ini");
+            fs::write(dir.path().join("userlist.txt"), "\"postgres\" \"\"\n")?;
+            fs::write(
+                &ini,
+                format!(
+                    "[databases]\n\
+                     postgres = host=127.0.0.1 port={} dbname=postgres user=postgres\n\
+                     [pgbouncer]\n\
+                     listen_addr = 127.0.0.1\n\
+                     listen_port = {port}\n\
+                     unix_socket_dir =\n\
+                     auth_type = trust\n\
+                     auth_file = {}\n\
+                     pool_mode = transaction\n\
+                     default_pool_size = 2\n\
+                     max_client_conn = 500\n\
+                     logfile = {}\n\
+                     ignore_startup_parameters = extra_float_digits\n",
+                    server.port(),
+                    dir.path().join("userlist.txt").display(),
+                    dir.path().join("pgbouncer.log").display(),
+                ),
+            )?;
+            let mut child = as_service_user(Command::new(&bin))?
+                .arg(&ini)
+                .current_dir(dir.path())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| {
+                    io::Error::new(
+                        e.kind(),
+                        format!(
+                            "cannot run `{}`: {e}; install the Debian package `pgbouncer` or \
+                             set {PGBOUNCER_ENV}",
+                            bin.display()
+                        ),
+                    )
+                })?;
+            let ready = crate::wait_until(READY_TIMEOUT, || {
+                matches!(child.try_wait(), Ok(Some(_)))
+                    || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            });
+            if ready && matches!(child.try_wait(), Ok(None)) {
+                return Ok(PgBouncer {
+                    port,
+                    child: Some(child),
+                    dir,
+                });
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            last_err = Some(io::Error::other(format!(
+                "pgbouncer on port {port} did not start\n--- tail of pgbouncer.log ---\n{}",
+                tail(&read_lossy(&dir.path().join("pgbouncer.log")))
+            )));
+        }
+        Err(last_err.unwrap_or_else(|| io::Error::other("pgbouncer was never started")))
+    }
+
+    /// `"postgres://postgres@127.0.0.1:PORT/postgres"`, through the pooler.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The pooler's log so far, for assertion messages.
+    pub fn log(&self) -> String {
+        read_lossy(&self.dir.path().join("pgbouncer.log"))
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,35 @@ pub enum Backend {
         /// Database number.
         db: i64,
     },
+    /// `postgres://` / `postgresql://`: PostgreSQL advisory locks, or a lease table with
+    /// `?mode=lease`.
+    Postgres {
+        /// The connection URL as libpq reads it, without fencelock's own parameters.
+        url: String,
+        /// Advisory locks (the default) or the lease table.
+        mode: PgMode,
+        /// The most connections one client opens (`?pool=N`, 2 to 10, default 4): one listens
+        /// for wake-up notifications, the others carry the leases.
+        pool: usize,
+    },
 }
+
+/// How the PostgreSQL engine keeps locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PgMode {
+    /// Session advisory locks (`pg_try_advisory_lock`), the default: a lost session is a lost
+    /// lease, and `psql` users can take the same lock.
+    Advisory,
+    /// Rows with owner, token and expiry by the database clock (`?mode=lease`): no session
+    /// state, so it works through transaction poolers.
+    Lease,
+}
+
+/// The default number of pooled PostgreSQL connections per client.
+pub(crate) const PG_DEFAULT_POOL: usize = 4;
+/// The most pooled PostgreSQL connections per client `?pool=` accepts.
+pub(crate) const PG_MAX_POOL: usize = 10;
 
 /// One Redis node address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,12 +84,20 @@ impl Backend {
         parse(url)
     }
 
-    /// The engine's short name: `sqlite`, `redis` or `redlock`.
+    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres` or `postgres-lease`.
     pub fn engine(&self) -> &'static str {
         match self {
             Backend::Sqlite { .. } => "sqlite",
             Backend::Redis { quorum: true, .. } => "redlock",
             Backend::Redis { .. } => "redis",
+            Backend::Postgres {
+                mode: PgMode::Advisory,
+                ..
+            } => "postgres",
+            Backend::Postgres {
+                mode: PgMode::Lease,
+                ..
+            } => "postgres-lease",
         }
     }
 
@@ -137,7 +173,7 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://";
+const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://, postgres://";
 
 pub(crate) fn parse(url: &str) -> Result<Backend> {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -149,6 +185,7 @@ pub(crate) fn parse(url: &str) -> Result<Backend> {
     match scheme {
         "sqlite" => parse_sqlite(rest),
         "redis" | "rediss" | "redlock" => parse_redis(scheme, rest),
+        "postgres" | "postgresql" => parse_postgres(scheme, rest),
         other => Err(Error::invalid(format!(
             "unknown backend scheme {other:?}; use one of {SCHEMES}"
         ))),
@@ -240,6 +277,57 @@ fn parse_redis(scheme: &str, rest: &str) -> Result<Backend> {
     })
 }
 
+/// Takes fencelock's own query parameters (`mode`, `pool`) out of a PostgreSQL URL and leaves
+/// the rest for the driver, which checks it when the engine connects.
+fn parse_postgres(scheme: &str, rest: &str) -> Result<Backend> {
+    let (base, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, q),
+        None => (rest, ""),
+    };
+    let mut mode = PgMode::Advisory;
+    let mut pool = PG_DEFAULT_POOL;
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "mode" => {
+                mode = match v {
+                    "advisory" => PgMode::Advisory,
+                    "lease" => PgMode::Lease,
+                    other => {
+                        return Err(Error::invalid(format!(
+                            "mode {other:?} in the backend URL is not one of advisory, lease"
+                        )))
+                    }
+                }
+            }
+            "pool" => {
+                pool = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (2..=PG_MAX_POOL).contains(n))
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "pool {v:?} in the backend URL is not a number from 2 to {PG_MAX_POOL}"
+                        ))
+                    })?
+            }
+            _ => kept.push(pair),
+        }
+    }
+    if base.is_empty() || base.starts_with('/') && !kept.iter().any(|p| p.starts_with("host=")) {
+        return Err(Error::invalid(
+            "the PostgreSQL URL names no host; write postgres://user@host:port/database",
+        ));
+    }
+    let mut url = format!("{scheme}://{base}");
+    if !kept.is_empty() {
+        url.push('?');
+        url.push_str(&kept.join("&"));
+    }
+    Ok(Backend::Postgres { url, mode, pool })
+}
+
 fn parse_host_port(s: &str) -> Result<RedisNode> {
     let (host, port) = match s.rsplit_once(':') {
         Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h, Some(p)),
@@ -323,6 +411,35 @@ mod tests {
             "redlock://a:1,b:2,c:3,d:4",
             "redis://h:1/x",
             "redis://:1",
+        ] {
+            let e = parse(url).expect_err(url);
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{url}");
+        }
+    }
+
+    #[test]
+    fn postgres_urls() {
+        assert_eq!(
+            parse("postgres://u:p@127.0.0.1:5432/db?mode=lease&pool=8&sslmode=disable").ok(),
+            Some(Backend::Postgres {
+                url: "postgres://u:p@127.0.0.1:5432/db?sslmode=disable".into(),
+                mode: PgMode::Lease,
+                pool: 8,
+            })
+        );
+        assert_eq!(
+            parse("postgresql://h/db").ok(),
+            Some(Backend::Postgres {
+                url: "postgresql://h/db".into(),
+                mode: PgMode::Advisory,
+                pool: PG_DEFAULT_POOL,
+            })
+        );
+        for url in [
+            "postgres://h/db?mode=x",
+            "postgres://h/db?pool=1",
+            "postgres://h/db?pool=11",
+            "postgres://",
         ] {
             let e = parse(url).expect_err(url);
             assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{url}");

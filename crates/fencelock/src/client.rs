@@ -129,12 +129,21 @@ async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Eng
                 "this build of fencelock lacks the `redis` feature",
             ))
         }
+        #[cfg(feature = "postgres")]
+        Backend::Postgres { .. } => crate::postgres::open(backend, cfg).await,
+        #[cfg(not(feature = "postgres"))]
+        Backend::Postgres { .. } => {
+            let _ = cfg;
+            Err(Error::invalid(
+                "this build of fencelock lacks the `postgres` feature",
+            ))
+        }
     }
 }
 
 impl Client {
     /// Starts building a client for a backend URL (`sqlite:///path.db`, `redis://host:port`,
-    /// `redlock://h1:p1,h2:p2,h3:p3`, ...).
+    /// `redlock://h1:p1,h2:p2,h3:p3`, `postgres://user@host/db`, ...).
     pub fn builder(url: impl Into<String>) -> ClientBuilder {
         ClientBuilder {
             url: url.into(),
@@ -150,7 +159,7 @@ impl Client {
         Client::builder(url).connect().await
     }
 
-    /// The engine's short name: `sqlite`, `redis`, `redlock`.
+    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`.
     pub fn engine(&self) -> &'static str {
         self.inner.engine.kind()
     }

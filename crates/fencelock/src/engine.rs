@@ -86,7 +86,7 @@ pub(crate) enum Renewed {
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
     /// Neither confirmed nor refused (a quorum engine reached too few nodes): a failed renewal.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
     Unconfirmed,
 }
 
@@ -130,4 +130,11 @@ pub(crate) trait Engine: Send + Sync + 'static {
 
     /// The engine keys (or rows) a resource name maps to, labelled, for `fencelock key`.
     fn keys(&self, name: &str) -> Vec<(&'static str, String)>;
+
+    /// For engines that learn of lost leases as it happens (a session that ended): the owner
+    /// values of leases lost, pushed as soon as the engine knows. Taken once, by the watchdog,
+    /// which marks those leases lost without waiting for their next renewal.
+    fn take_loss_feed(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<String>> {
+        None
+    }
 }

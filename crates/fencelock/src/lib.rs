@@ -28,12 +28,16 @@
 //! - **clients**: [`Client`], [`ClientBuilder`], [`LockOptions`], [`Lease`] (the lost signal,
 //!   `run`, `extend`, `release`) and the watchdog that renews leases;
 //! - **lock servers**: one module per engine behind a cargo feature (`sqlite`, on by default;
-//!   `redis`), each implementing one small internal trait;
+//!   `redis`; `postgres`: advisory locks, or a lease table with `?mode=lease`), each
+//!   implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
 //! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
 //!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
 //!   `postgres`), and with the `http` feature a tower layer that refuses stale requests before
 //!   the handler runs.
+//! - **no lock at all**: with the `postgres` feature, `fencelock::pg` offers what the database does by
+//!   itself: claiming jobs with `FOR UPDATE SKIP LOCKED`, optimistic updates by version, and
+//!   idempotency keys on a unique constraint.
 //! - **operations**: the [stuck-lock runbook](#stuck-lock-runbook): [`Holder::assess`],
 //!   [`Client::list`], [`Client::force_release`] and its audit log, [`Client::audit`].
 //!
@@ -43,6 +47,7 @@
 //! | `sqlite:///absolute/path.db` (`sqlite://` for the default file) | SQLite, many processes on one machine |
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
+//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
 //!
 //! # Validity
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
@@ -63,9 +68,12 @@
 //! last renewal says. The deletion is a compare-and-delete on the owner that was inspected. In
 //! the same atomic step it advances the fencing counter to a mark above the old holder's token,
 //! below every later grant's, so fences refuse the old holder once the next one has written, and
-//! appends an [`AuditRecord`] to the log the engine keeps (the SQLite table `fencelock_audit`;
+//! appends an [`AuditRecord`] to the log the engine keeps (the SQLite or PostgreSQL table `fencelock_audit`;
 //! the stream `<prefix>audit` on each Redis node, capped near 10,000 entries), which
-//! [`Client::audit`] reads back. The old holder learns of the loss at its next renewal.
+//! [`Client::audit`] reads back. The old holder learns of the loss at its next renewal. With
+//! PostgreSQL advisory locks, which live as long as the holder's session, a forced release
+//! ends that session (`pg_terminate_backend`), with every other lock it holds, and the old
+//! holder learns it at once.
 //!
 //! ```no_run
 //! # async fn demo(client: fencelock::Client) -> Result<(), fencelock::Error> {
@@ -109,7 +117,15 @@ mod sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 mod redis;
 
-pub use backend::{default_sqlite_path, default_url, redact_url, Backend, RedisNode};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+mod postgres;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod pg;
+
+pub use backend::{default_sqlite_path, default_url, redact_url, Backend, PgMode, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use error::{Error, ErrorKind, Result};
 pub use holder::Holder;

@@ -264,6 +264,28 @@ impl Shared {
         }
     }
 
+    /// Marks lost the leases of `first` and of every other owner already queued in `more`, in
+    /// one pass over the entries: a dropped session may take thousands of leases at once.
+    fn lost_owners(&self, first: String, more: Option<&mut mpsc::UnboundedReceiver<String>>) {
+        let mut owners = std::collections::HashSet::from([first]);
+        if let Some(rx) = more {
+            while let Ok(owner) = rx.try_recv() {
+                owners.insert(owner);
+            }
+        }
+        self.lock().retain(|_, e| {
+            if owners.contains(&e.lease.owner) {
+                e.lease.mark_lost(
+                    Loss::NotHolder,
+                    "the engine reported it lost: the session holding it ended".to_owned(),
+                );
+                false
+            } else {
+                true
+            }
+        });
+    }
+
     /// A lease declared lost after failed renewals may still be ours on the engine; releasing
     /// it (owner-checked) frees the resource sooner than its expiry would.
     fn release_in_background(self: &Shared, lease: Arc<LeaseState>) {
@@ -290,6 +312,20 @@ fn apply_success(e: &mut Entry, started: Instant) {
     e.next_renew = started + renew_interval(ttl);
 }
 
+/// The next owner the engine reports lost; never completes without a feed (or once it closed).
+async fn next_loss(feed: &mut Option<mpsc::UnboundedReceiver<String>>) -> Option<String> {
+    match feed {
+        Some(rx) => match rx.recv().await {
+            Some(owner) => Some(owner),
+            None => {
+                *feed = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -299,12 +335,14 @@ async fn sleep_until(at: Option<Instant>) {
 
 async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
     let (tx, mut rx) = mpsc::unbounded_channel::<BatchResult>();
+    let mut losses = shared.engine.take_loss_feed();
     loop {
         let wake = shared.next_wake();
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = shared.changed.notified() => {}
             Some(result) = rx.recv() => shared.apply(result),
+            Some(owner) = next_loss(&mut losses) => shared.lost_owners(owner, losses.as_mut()),
             _ = sleep_until(wake) => {}
         }
         let now = Instant::now();

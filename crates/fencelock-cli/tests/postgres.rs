@@ -1,0 +1,186 @@
+//! `fencelock key` and `fencelock run` against a real PostgreSQL: the printed key is the lock
+//! `psql` takes, and a holder whose session ends has its command terminated.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fencelock_testkit::{wait_until, PgServer};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
+
+/// A child process killed by pid when the test ends, whatever happened.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn fencelock(url: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env("FENCELOCK_URL", url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn query(server: &PgServer, sql: &str) -> String {
+    let out = server.psql(sql).unwrap();
+    assert!(out.status.success(), "psql failed: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn advisory_key(url: &str, name: &str) -> i64 {
+    let out = fencelock(url, &["key", name]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text.lines().find(|l| l.starts_with("advisory\t"));
+    assert!(line.is_some(), "{text}");
+    line.unwrap()["advisory\t".len()..].parse().unwrap()
+}
+
+/// Starts `fencelock run NAME` holding the lock (30 s TTL) until killed; returns once the
+/// command runs.
+fn hold(url: &str, dir: &tempfile::TempDir) -> Proc {
+    let ready = dir.path().join("ready");
+    let script = format!("touch {}; exec sleep 100", ready.display());
+    let child = Proc(
+        fencelock(
+            url,
+            &["run", "--ttl", "30s", "job", "--", "sh", "-c", &script],
+        )
+        .spawn()
+        .unwrap(),
+    );
+    assert!(wait_until(Duration::from_secs(10), || ready.exists()));
+    child
+}
+
+/// Waits for `fencelock run` to exit; it must exit 79 (lease lost) within `limit`.
+fn assert_lost_within(mut child: Proc, limit: Duration) {
+    let since = Instant::now();
+    let mut status = None;
+    assert!(wait_until(Duration::from_secs(10), || {
+        status = child.0.try_wait().unwrap();
+        status.is_some()
+    }));
+    assert_eq!(status.unwrap().code(), Some(79));
+    assert!(since.elapsed() < limit, "{:?}", since.elapsed());
+    let mut err = String::new();
+    child
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(err.contains("lost"), "{err}");
+}
+
+#[test]
+fn key_is_the_advisory_lock_psql_takes() {
+    let server = PgServer::start().unwrap();
+    let url = server.url();
+    let k = advisory_key(&url, "job");
+    let dir = tempfile::tempdir().unwrap();
+    let holder = hold(&url, &dir);
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "f"
+    );
+    let out = fencelock(&url, &["run", "job", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    drop(holder);
+    // The run's session ended with it: the lock is free at once.
+    assert!(wait_until(Duration::from_secs(10), || {
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")) == "t"
+    }));
+    let out = fencelock(&format!("{url}?mode=lease"), &["key", "job"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("row\tfencelock_leases.key = fencelock:v1:job"),
+        "{text}"
+    );
+}
+
+#[test]
+fn run_is_terminated_when_its_backend_is() {
+    let server = PgServer::start().unwrap();
+    let url = server.url();
+    let k = advisory_key(&url, "job");
+    let dir = tempfile::tempdir().unwrap();
+    let holder = hold(&url, &dir);
+    let ended = query(
+        &server,
+        &format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks l WHERE l.locktype = 'advisory' \
+             AND ((l.classid::bigint << 32) | l.objid::bigint) = {k}"
+        ),
+    );
+    assert_eq!(ended, "t");
+    // Far sooner than the 30 s TTL would tell.
+    assert_lost_within(holder, Duration::from_secs(5));
+}
+
+#[test]
+fn run_is_terminated_when_the_server_restarts() {
+    let mut server = PgServer::start().unwrap();
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    let holder = hold(&url, &dir);
+    server.restart().unwrap();
+    assert_lost_within(holder, Duration::from_secs(5));
+}
+
+/// `fencelock bench` on PostgreSQL prints the pgbench reference of the same statements and
+/// the ratios to it.
+#[test]
+fn bench_measures_pgbench_reference_in_the_same_run() {
+    let server = PgServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("bench.json");
+    let child = Command::new(BIN)
+        .args([
+            "bench",
+            "--backend",
+            &server.url(),
+            "--seconds",
+            "1",
+            "--quick",
+            "--json",
+        ])
+        .env_remove("FENCELOCK_URL")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut child = Proc(child);
+    let mut status = None;
+    assert!(wait_until(Duration::from_secs(120), || {
+        status = child.0.try_wait().unwrap();
+        status.is_some()
+    }));
+    let json = std::fs::read_to_string(&out_path).unwrap();
+    assert_eq!(status.unwrap().code(), Some(0), "{json}");
+    for field in [
+        "\"engine\":\"postgres\"",
+        "\"reference.pgbench.c1.pairs_per_s\":",
+        "\"reference.pgbench.c3.pairs_per_s\":",
+        "\"uncontended.sequential.pgbench_ratio\":",
+        "\"uncontended.tasks64.pgbench_ratio\":",
+        "\"reference.tool\":\"pgbench",
+    ] {
+        assert!(json.contains(field), "{field} missing from {json}");
+    }
+}

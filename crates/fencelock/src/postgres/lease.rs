@@ -1,0 +1,352 @@
+//! Lease-table mode (`?mode=lease`): one row per resource with owner, token and an expiry by
+//! the database's clock. Every operation is one statement in its own transaction, sent as an
+//! unnamed statement, so no state lives in the session and a transaction pooler may hand each
+//! statement to another server connection.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row};
+
+use super::{duration_of_millis, millis, token_of, Shared};
+use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::error::{Error, Result};
+use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::runbook::{AuditRecord, HeldLock};
+
+/// Takes a free or expired row, or re-grants to the same owner (keeping its token); a fresh
+/// grant advances the token. Nothing is returned when another owner's lease is live.
+const ACQUIRE: &str = "
+INSERT INTO fencelock_leases AS l
+    (key, token, owner, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at)
+VALUES ($1, 1, $2, clock_timestamp() + $3 * interval '1 millisecond', $3, $4, $5, $6, $7, $7)
+ON CONFLICT (key) DO UPDATE SET
+    token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
+                 THEN l.token ELSE l.token + 1 END,
+    acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
+                 THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
+    owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at, ttl_ms = EXCLUDED.ttl_ms,
+    host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client,
+    renewed_at = EXCLUDED.renewed_at
+WHERE l.owner IS NULL OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
+    OR l.owner = EXCLUDED.owner
+RETURNING token";
+
+/// The live holder's columns as [`holder_from`] reads them.
+const HOLDER_COLUMNS: &str = "owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, \
+     GREATEST(0, extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint";
+const LIVE: &str = "owner IS NOT NULL AND expires_at > clock_timestamp()";
+
+/// Renews many leases in one statement; returns the ones still held by their owner.
+const EXTEND: &str = "
+UPDATE fencelock_leases l
+SET expires_at = clock_timestamp() + b.ttl * interval '1 millisecond', ttl_ms = b.ttl,
+    renewed_at = $4
+FROM unnest($1::text[], $2::text[], $3::bigint[]) AS b(key, owner, ttl)
+WHERE l.key = b.key AND l.owner = b.owner AND l.expires_at > clock_timestamp()
+RETURNING l.key, l.owner";
+
+/// Clears the owner (the row keeps the token) and, if the lease was live, wakes the waiters.
+const RELEASE: &str = "
+WITH old AS (
+    SELECT expires_at > clock_timestamp() AS live FROM fencelock_leases
+    WHERE key = $1 AND owner = $2 FOR UPDATE
+),
+u AS (
+    UPDATE fencelock_leases SET owner = NULL, expires_at = NULL
+    WHERE key = $1 AND owner = $2 RETURNING 1
+),
+n AS (SELECT pg_notify($3, $4) FROM old WHERE old.live)
+SELECT old.live, (SELECT count(*) FROM u), (SELECT count(*) FROM n) FROM old";
+
+/// Deletes the live lease (of the expected owner, if given), advances the token to the mark
+/// and appends the audit record, in one statement.
+const FORCE: &str = "
+WITH old AS (
+    SELECT owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms
+    FROM fencelock_leases
+    WHERE key = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()
+      AND ($2::text IS NULL OR owner = $2)
+    FOR UPDATE
+),
+u AS (
+    UPDATE fencelock_leases l SET token = l.token + 1, owner = NULL, expires_at = NULL
+    FROM old WHERE l.key = $1 RETURNING l.token
+),
+a AS (
+    INSERT INTO fencelock_audit (record_id, key, at, by_user, by_host, reason, declared_dead,
+        assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter)
+    SELECT $3, $1, $4, $5, $6, $7, $8, $9, old.owner, old.token, old.host, old.pid,
+        old.client, old.acquired_at, old.renewed_at, old.ttl_ms, (SELECT token FROM u)
+    FROM old
+    RETURNING counter
+)
+SELECT old.owner, old.token, old.host, old.pid, old.client, old.acquired_at, old.renewed_at,
+    old.ttl_ms, (SELECT counter FROM a) FROM old";
+
+pub(crate) struct LeaseEngine {
+    shared: Shared,
+    clients: Vec<tokio::sync::Mutex<Option<Arc<Client>>>>,
+    next: AtomicUsize,
+}
+
+impl LeaseEngine {
+    pub(super) fn new(shared: Shared, sessions: usize, first: Client) -> LeaseEngine {
+        let clients: Vec<_> = (0..sessions.max(1))
+            .map(|_| tokio::sync::Mutex::new(None))
+            .collect();
+        if let Ok(mut slot) = clients[0].try_lock() {
+            *slot = Some(Arc::new(first));
+        }
+        LeaseEngine {
+            shared,
+            clients,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// A live connection, round robin, reconnecting a closed one.
+    async fn client(&self) -> Result<Arc<Client>> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len();
+        self.client_at(i).await
+    }
+
+    /// The connection every grant and release of `name` goes through: statements on one
+    /// connection run in the order they were sent, so the release that cleans up after a
+    /// cancelled acquisition always runs after it, never overtakes it on another connection.
+    async fn client_for(&self, name: &str) -> Result<Arc<Client>> {
+        let key = super::advisory_key(&self.shared.prefix, name) as u64;
+        self.client_at((key % self.clients.len() as u64) as usize)
+            .await
+    }
+
+    async fn client_at(&self, i: usize) -> Result<Arc<Client>> {
+        let mut slot = self.clients[i].lock().await;
+        if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(self.shared.connect().await?);
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    async fn query(&self, sql: &str, params: &[(&(dyn ToSql + Sync), Type)]) -> Result<Vec<Row>> {
+        let client = self.client().await?;
+        self.shared.bounded(client.query_typed(sql, params)).await
+    }
+
+    async fn query_for(
+        &self,
+        name: &str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>> {
+        let client = self.client_for(name).await?;
+        self.shared.bounded(client.query_typed(sql, params)).await
+    }
+
+    fn read<T>(&self, r: std::result::Result<T, tokio_postgres::Error>) -> Result<T> {
+        r.map_err(|e| self.shared.error("unexpected answer", e))
+    }
+}
+
+fn holder_from(r: &Row, at: usize) -> std::result::Result<Holder, tokio_postgres::Error> {
+    let mut h = Holder::bare(r.try_get(at)?);
+    h.token = r.try_get::<_, Option<i64>>(at + 1)?.map(token_of);
+    h.host = r.try_get(at + 2)?;
+    h.pid = r
+        .try_get::<_, Option<i64>>(at + 3)?
+        .and_then(|p| u32::try_from(p).ok());
+    h.client = r.try_get(at + 4)?;
+    h.acquired_at = r.try_get::<_, Option<i64>>(at + 5)?.map(from_unix_millis);
+    h.renewed_at = r.try_get::<_, Option<i64>>(at + 6)?.map(from_unix_millis);
+    h.ttl = r.try_get::<_, Option<i64>>(at + 7)?.map(duration_of_millis);
+    if r.len() > at + 8 {
+        h.ttl_left = r.try_get::<_, Option<i64>>(at + 8)?.map(duration_of_millis);
+    }
+    Ok(h)
+}
+
+#[async_trait]
+impl Engine for LeaseEngine {
+    fn kind(&self) -> &'static str {
+        self.shared.kind
+    }
+
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
+        vec![(
+            "row",
+            format!("fencelock_leases.key = {}", self.shared.key(name)),
+        )]
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        if req.fair.is_some() {
+            return Err(Error::invalid(
+                "fair (FIFO) mode needs an engine with a waiter queue (redis, redlock); the \
+                 PostgreSQL lease table grants to whichever waiter retries first",
+            ));
+        }
+        let key = self.shared.key(&req.name);
+        let wake = self.shared.subscribe(&req.name);
+        let now = unix_millis(SystemTime::now());
+        let rows = self
+            .query_for(
+                &req.name,
+                ACQUIRE,
+                &[
+                    (&key, Type::TEXT),
+                    (&req.owner, Type::TEXT),
+                    (&millis(req.ttl), Type::INT8),
+                    (&req.meta.host, Type::TEXT),
+                    (&i64::from(req.meta.pid), Type::INT8),
+                    (&req.meta.client, Type::TEXT),
+                    (&now, Type::INT8),
+                ],
+            )
+            .await?;
+        if let Some(r) = rows.first() {
+            return Ok(Attempt::Granted(token_of(self.read(r.try_get(0))?)));
+        }
+        let holder = self.inspect(&req.name).await?;
+        Ok(Attempt::Held {
+            retry_in: holder.as_ref().and_then(|h| h.ttl_left),
+            holder,
+            wake: Some(wake),
+        })
+    }
+
+    async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
+        let keys: Vec<String> = batch.iter().map(|r| self.shared.key(&r.name)).collect();
+        let owners: Vec<String> = batch.iter().map(|r| r.owner.clone()).collect();
+        let ttls: Vec<i64> = batch.iter().map(|r| millis(r.ttl)).collect();
+        let now = unix_millis(SystemTime::now());
+        let rows = self
+            .query(
+                EXTEND,
+                &[
+                    (&keys, Type::TEXT_ARRAY),
+                    (&owners, Type::TEXT_ARRAY),
+                    (&ttls, Type::INT8_ARRAY),
+                    (&now, Type::INT8),
+                ],
+            )
+            .await?;
+        let mut extended = std::collections::HashSet::with_capacity(rows.len());
+        for r in &rows {
+            let key: String = self.read(r.try_get(0))?;
+            let owner: String = self.read(r.try_get(1))?;
+            extended.insert((key, owner));
+        }
+        Ok(keys
+            .into_iter()
+            .zip(owners)
+            .map(|pair| {
+                if extended.contains(&pair) {
+                    Renewed::Extended
+                } else {
+                    Renewed::NotHolder
+                }
+            })
+            .collect())
+    }
+
+    async fn release(&self, name: &str, owner: &str) -> Result<bool> {
+        let key = self.shared.key(name);
+        let owner = owner.to_owned();
+        let name = name.to_owned();
+        let rows = self
+            .query_for(
+                &name,
+                RELEASE,
+                &[
+                    (&key, Type::TEXT),
+                    (&owner, Type::TEXT),
+                    (&self.shared.channel, Type::TEXT),
+                    (&name, Type::TEXT),
+                ],
+            )
+            .await?;
+        match rows.first() {
+            Some(r) => Ok(self.read(r.try_get::<_, Option<bool>>(0))?.unwrap_or(false)),
+            None => Ok(false),
+        }
+    }
+
+    async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
+        let key = self.shared.key(name);
+        let rows = self
+            .query(
+                &format!("SELECT {HOLDER_COLUMNS} FROM fencelock_leases WHERE key = $1 AND {LIVE}"),
+                &[(&key, Type::TEXT)],
+            )
+            .await?;
+        rows.first()
+            .map(|r| self.read(holder_from(r, 0)))
+            .transpose()
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<HeldLock>> {
+        let start = self.shared.key(prefix);
+        let rows = self
+            .query(
+                &format!(
+                    "SELECT key, {HOLDER_COLUMNS} FROM fencelock_leases \
+                     WHERE starts_with(key, $1) AND {LIVE}"
+                ),
+                &[(&start, Type::TEXT)],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let key: String = self.read(r.try_get(0))?;
+                Ok(HeldLock {
+                    resource: self.shared.name_of(&key).to_owned(),
+                    holder: self.read(holder_from(r, 1))?,
+                })
+            })
+            .collect()
+    }
+
+    async fn force_release(
+        &self,
+        name: &str,
+        expected_owner: Option<&str>,
+        draft: &AuditRecord,
+    ) -> Result<Option<AuditRecord>> {
+        let key = self.shared.key(name);
+        let expected = expected_owner.map(str::to_owned);
+        let at = unix_millis(draft.at);
+        let rows = self
+            .query(
+                FORCE,
+                &[
+                    (&key, Type::TEXT),
+                    (&expected, Type::TEXT),
+                    (&draft.id, Type::TEXT),
+                    (&at, Type::INT8),
+                    (&draft.user, Type::TEXT),
+                    (&draft.host, Type::TEXT),
+                    (&draft.reason, Type::TEXT),
+                    (&draft.holder_declared_dead, Type::BOOL),
+                    (&draft.assessment, Type::TEXT),
+                ],
+            )
+            .await?;
+        let Some(r) = rows.first() else {
+            return Ok(None);
+        };
+        let mut record = draft.clone();
+        record.holder = self.read(holder_from(r, 0))?;
+        record.counter = token_of(self.read(r.try_get(8))?);
+        Ok(Some(record))
+    }
+
+    async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        let client = self.client().await?;
+        self.shared.audit(&client, name).await
+    }
+}

@@ -1,0 +1,496 @@
+//! The PostgreSQL engine (`postgres://`), in two modes.
+//!
+//! **Advisory mode** (the default) takes session advisory locks, `pg_try_advisory_lock(k)`:
+//!
+//! - **The key.** `k` is the first 8 bytes, big-endian, of the SHA-256 of the prefix followed
+//!   by the resource name (`fencelock:v1:nightly-invoices`), read as a signed 64-bit integer.
+//!   `fencelock key NAME --backend postgres://...` prints it, so that `SELECT
+//!   pg_advisory_lock(<k>)` in `psql` takes the very same lock. It is a hash: two names collide
+//!   with probability 2^-64, and among `n` names in use some pair collides with probability
+//!   about `n² / 2^65` (one in 37 million for a million names). A collision makes two names
+//!   exclude each other, never lets two holders in.
+//! - **Few connections, many locks.** A client keeps at most `pool - 1` sessions for its locks
+//!   (`?pool=N`, default 4, at most 10) and one for notifications; a resource always maps to
+//!   the same session. Advisory locks are re-entrant per session, so the engine remembers which
+//!   keys each session holds and for which owner, and never asks the server for a key its own
+//!   session already holds: a second lease of this process on the same name is refused
+//!   locally, as one from another process would be. Statements of one session run one after
+//!   another in the order they were asked, so a release always follows the grant it undoes.
+//! - **Token in the same round trip.** One statement tries the lock and, only if granted,
+//!   advances the resource's durable counter in `fencelock_tokens`, returning it.
+//! - **Loss.** Advisory locks have no expiry on the server: a lock lives as long as its
+//!   session. When a session ends (its backend terminated, the server restarted, the network
+//!   cut), every lease taken on it is reported lost at once, not at its next renewal. The
+//!   lease TTL still bounds how long the client trusts a session it cannot hear from: each
+//!   renewal is one liveness check per session (which advisory locks does this backend hold?)
+//!   for all the leases on it.
+//! - **Wake-ups.** Release runs `pg_notify` on a channel named after the prefix with the
+//!   resource name as payload; one listening session per client wakes the waiters. A lock
+//!   released by someone else (`psql`) sends no notification: waiters then retry after their
+//!   backoff.
+//! - **Forced release** (the stuck-lock runbook) can only end the holder's session:
+//!   `pg_terminate_backend`, which also drops every other lock that session holds (their
+//!   holders learn it at once). It needs the right to signal that backend (superuser, the
+//!   same role, or `pg_signal_backend`).
+//!
+//! **Lease-table mode** (`?mode=lease`) keeps rows in `fencelock_leases` with owner, token and
+//! an expiry by the database's clock (`clock_timestamp()`). Each operation is one statement in
+//! its own transaction with unnamed statements, so it works through a transaction pooler where
+//! session locks and prepared statements do not. The two modes keep separate tables and do not
+//! exclude each other: every client of one resource must use the same mode.
+//!
+//! Both modes create their tables on first use, record forced releases in `fencelock_audit`,
+//! and advance the counter there at the same time.
+
+mod advisory;
+mod lease;
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio_postgres::types::Type;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Backend, PgMode};
+use crate::engine::{Engine, EngineConfig, Wake};
+use crate::error::{Error, Result};
+use crate::holder::{from_unix_millis, Holder};
+use crate::runbook::AuditRecord;
+use crate::token::FencingToken;
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS fencelock_tokens (
+    key         text PRIMARY KEY,
+    lock_key    bigint NOT NULL,
+    counter     bigint NOT NULL,
+    owner       text,
+    backend_pid integer,
+    host        text,
+    pid         bigint,
+    client      text,
+    acquired_at bigint,
+    ttl_ms      bigint
+);
+CREATE INDEX IF NOT EXISTS fencelock_tokens_by_lock_key ON fencelock_tokens (lock_key);
+CREATE TABLE IF NOT EXISTS fencelock_leases (
+    key         text PRIMARY KEY,
+    token       bigint NOT NULL,
+    owner       text,
+    expires_at  timestamptz,
+    ttl_ms      bigint,
+    host        text,
+    pid         bigint,
+    client      text,
+    acquired_at bigint,
+    renewed_at  bigint
+);
+CREATE TABLE IF NOT EXISTS fencelock_audit (
+    id            bigserial PRIMARY KEY,
+    record_id     text NOT NULL,
+    key           text NOT NULL,
+    at            bigint NOT NULL,
+    by_user       text NOT NULL,
+    by_host       text NOT NULL,
+    reason        text NOT NULL,
+    declared_dead boolean NOT NULL,
+    assessment    text NOT NULL,
+    owner         text NOT NULL,
+    token         bigint,
+    host          text,
+    pid           bigint,
+    client        text,
+    acquired_at   bigint,
+    renewed_at    bigint,
+    ttl_ms        bigint,
+    counter       bigint NOT NULL
+);
+CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
+";
+
+/// The columns [`audit_record`] reads, in order.
+const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
+     assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
+
+pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
+    let Backend::Postgres { url, mode, pool } = backend else {
+        return Err(Error::invalid("not a PostgreSQL backend"));
+    };
+    let kind = match mode {
+        PgMode::Advisory => "postgres",
+        PgMode::Lease => "postgres-lease",
+    };
+    let mut config = Config::from_str(&url).map_err(|e| {
+        Error::invalid(format!(
+            "the PostgreSQL URL {} is not valid: {e}",
+            crate::backend::redact_url(&url)
+        ))
+    })?;
+    if config.get_application_name().is_none() {
+        config.application_name("fencelock");
+    }
+    config.connect_timeout(cfg.op_timeout);
+    let shared = Shared {
+        kind,
+        config,
+        prefix: cfg.prefix.clone(),
+        op_timeout: cfg.op_timeout,
+        channel: channel_name(&cfg.prefix),
+        wakers: Arc::new(Wakers::default()),
+        shutdown: CancellationToken::new(),
+    };
+    // Fails early, with a clear error, when the server cannot be reached, and creates the
+    // tables before any lease needs them.
+    let first = shared.connect().await?;
+    shared.bounded(create_schema(&first)).await?;
+    tokio::spawn(listen_for_wakeups(
+        shared.config.clone(),
+        shared.channel.clone(),
+        shared.wakers.clone(),
+        shared.shutdown.clone(),
+    ));
+    let sessions = pool - 1;
+    match mode {
+        PgMode::Advisory => Ok(Arc::new(advisory::AdvisoryEngine::new(shared, sessions))),
+        PgMode::Lease => Ok(Arc::new(lease::LeaseEngine::new(shared, sessions, first))),
+    }
+}
+
+/// The advisory lock key of a resource: the first 8 bytes of SHA-256(prefix ‖ name) as a
+/// big-endian signed integer.
+pub(crate) fn advisory_key(prefix: &str, name: &str) -> i64 {
+    let digest = Sha256::new()
+        .chain_update(prefix.as_bytes())
+        .chain_update(name.as_bytes())
+        .finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+/// The notification channel of a prefix: an identifier that needs no quoting, whatever the
+/// prefix holds.
+fn channel_name(prefix: &str) -> String {
+    let digest = Sha256::digest(prefix.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("fencelock_{hex}")
+}
+
+/// What both modes share: how to connect, the namespace, the wake-ups.
+pub(crate) struct Shared {
+    kind: &'static str,
+    config: Config,
+    prefix: String,
+    op_timeout: Duration,
+    channel: String,
+    wakers: Arc<Wakers>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Shared {
+    /// The row key of a resource: the prefix followed by the name, which is injective.
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    fn name_of<'a>(&self, key: &'a str) -> &'a str {
+        key.strip_prefix(&self.prefix).unwrap_or(key)
+    }
+
+    fn error(&self, what: &str, e: tokio_postgres::Error) -> Error {
+        let hint = if e.is_closed() {
+            "; the connection was closed (server restarted or unreachable?)"
+        } else {
+            ""
+        };
+        Error::engine_failure(self.kind, format!("{what}{hint}: {e}")).with_source(e)
+    }
+
+    /// Waits for `fut` at most one operation timeout.
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.op_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(self.error("PostgreSQL", e)),
+            Err(_) => Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "PostgreSQL gave no answer within {}",
+                    crate::options::display_duration(self.op_timeout)
+                ),
+            )),
+        }
+    }
+
+    /// A new session whose connection runs in a task of its own; `on_end` runs when it ends.
+    async fn connect_with(&self, on_end: impl FnOnce() + Send + 'static) -> Result<Client> {
+        let attempt = tokio::time::timeout(self.op_timeout, self.config.connect(NoTls)).await;
+        let (client, connection) = match attempt {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(e)) => {
+                return Err(self.error(
+                    "cannot connect to PostgreSQL; check that the server is up and the URL, \
+                     user and password are right",
+                    e,
+                ))
+            }
+            Err(_) => {
+                return Err(Error::engine_failure(
+                    self.kind,
+                    format!(
+                        "cannot connect to PostgreSQL within {}; check that the server is up",
+                        crate::options::display_duration(self.op_timeout)
+                    ),
+                ))
+            }
+        };
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "PostgreSQL session ended");
+            }
+            on_end();
+        });
+        Ok(client)
+    }
+
+    async fn connect(&self) -> Result<Client> {
+        self.connect_with(|| {}).await
+    }
+
+    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
+        self.wakers.subscribe(name)
+    }
+
+    /// The audit log of one resource, or of every resource under the prefix, newest first.
+    async fn audit(&self, client: &Client, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        let (filter, arg) = match name {
+            Some(n) => ("key = $1", self.key(n)),
+            None => ("starts_with(key, $1)", self.prefix.clone()),
+        };
+        // Unnamed statements: this also runs through transaction poolers (lease mode).
+        let rows = self
+            .bounded(client.query_typed(
+                &format!(
+                    "SELECT {AUDIT_COLUMNS} FROM fencelock_audit WHERE {filter} ORDER BY id DESC"
+                ),
+                &[(&arg, Type::TEXT)],
+            ))
+            .await?;
+        rows.iter()
+            .map(|r| audit_record(r, &self.prefix))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| self.error("reading fencelock_audit", e))
+    }
+}
+
+/// Appends a forced release to the audit log, inside the caller's transaction.
+async fn insert_audit(
+    tx: &tokio_postgres::Transaction<'_>,
+    key: &str,
+    record: &AuditRecord,
+    renewed_at: Option<i64>,
+) -> std::result::Result<(), tokio_postgres::Error> {
+    let h = &record.holder;
+    let ms = |t: Option<std::time::SystemTime>| t.map(crate::holder::unix_millis);
+    tx.execute(
+        &format!(
+            "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+        ),
+        &[
+            &record.id,
+            &key,
+            &crate::holder::unix_millis(record.at),
+            &record.user,
+            &record.host,
+            &record.reason,
+            &record.holder_declared_dead,
+            &record.assessment,
+            &h.owner,
+            &h.token.map(token_to_i64),
+            &h.host,
+            &h.pid.map(i64::from),
+            &h.client,
+            &ms(h.acquired_at),
+            &renewed_at.or(ms(h.renewed_at)),
+            &h.ttl.map(millis),
+            &token_to_i64(record.counter),
+        ],
+    )
+    .await
+    .map(|_| ())
+}
+
+fn audit_record(
+    r: &tokio_postgres::Row,
+    prefix: &str,
+) -> std::result::Result<AuditRecord, tokio_postgres::Error> {
+    let key: String = r.try_get(1)?;
+    let mut holder = Holder::bare(r.try_get(8)?);
+    holder.token = r.try_get::<_, Option<i64>>(9)?.map(token_of);
+    holder.host = r.try_get(10)?;
+    holder.pid = r
+        .try_get::<_, Option<i64>>(11)?
+        .and_then(|p| u32::try_from(p).ok());
+    holder.client = r.try_get(12)?;
+    holder.acquired_at = r.try_get::<_, Option<i64>>(13)?.map(from_unix_millis);
+    holder.renewed_at = r.try_get::<_, Option<i64>>(14)?.map(from_unix_millis);
+    holder.ttl = r.try_get::<_, Option<i64>>(15)?.map(duration_of_millis);
+    Ok(AuditRecord {
+        id: r.try_get(0)?,
+        resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
+        at: from_unix_millis(r.try_get(2)?),
+        user: r.try_get(3)?,
+        host: r.try_get(4)?,
+        reason: r.try_get(5)?,
+        holder_declared_dead: r.try_get(6)?,
+        assessment: r.try_get(7)?,
+        holder,
+        counter: token_of(r.try_get(16)?),
+    })
+}
+
+/// Creates the tables once; concurrent first clients wait for each other on a transaction
+/// advisory lock rather than race on the catalog.
+async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgres::Error> {
+    let lock = advisory_key("fencelock:", "schema");
+    client
+        .batch_execute(&format!(
+            "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} COMMIT;"
+        ))
+        .await
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn duration_of_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+fn token_of(n: i64) -> FencingToken {
+    FencingToken::new(u64::try_from(n).unwrap_or(0))
+}
+
+fn token_to_i64(t: FencingToken) -> i64 {
+    i64::try_from(t.get()).unwrap_or(i64::MAX)
+}
+
+/// Waiters per resource name, woken by notifications.
+#[derive(Default)]
+struct Wakers {
+    by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
+}
+
+impl Wakers {
+    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
+        let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() > 1024 {
+            map.retain(|_, s| s.receiver_count() > 0);
+        }
+        map.entry(name.to_owned())
+            .or_insert_with(|| watch::channel(Wake::default()).0)
+            .subscribe()
+    }
+
+    fn wake(&self, name: &str) {
+        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = map.get(name) {
+            s.send_modify(|w| w.seq = w.seq.wrapping_add(1));
+        }
+    }
+}
+
+/// Keeps one session listening on the prefix's channel and wakes the waiters of the resource
+/// each notification names; reconnects when it drops. While it is down, waiters fall back to
+/// their backoff.
+async fn listen_for_wakeups(
+    config: Config,
+    channel: String,
+    wakers: Arc<Wakers>,
+    shutdown: CancellationToken,
+) {
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let session = async {
+            let (client, mut connection) = config.connect(NoTls).await?;
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+            let driver = tokio::spawn(async move {
+                while let Some(message) = messages.next().await {
+                    match message {
+                        Ok(AsyncMessage::Notification(n)) => {
+                            let _ = tx.send(n.payload().to_owned());
+                        }
+                        Ok(_) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            });
+            client.batch_execute(&format!("LISTEN {channel}")).await?;
+            while let Some(name) = rx.recv().await {
+                wakers.wake(&name);
+            }
+            driver.abort();
+            Ok::<(), tokio_postgres::Error>(())
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = session => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "wake-up listener lost; reconnecting");
+                } else {
+                    delay = Duration::from_millis(50);
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advisory_key_is_documented_hash() {
+        // SHA-256("fencelock:v1:nightly-invoices"), first 8 bytes, big-endian, signed.
+        let digest = Sha256::digest(b"fencelock:v1:nightly-invoices");
+        let expected = i64::from_be_bytes(digest[..8].try_into().unwrap());
+        assert_eq!(advisory_key("fencelock:v1:", "nightly-invoices"), expected);
+        assert_ne!(
+            advisory_key("fencelock:v1:", "a"),
+            advisory_key("fencelock:v1:", "b")
+        );
+        // Pinned: psql scripts and other clients rely on this value never changing.
+        assert_eq!(advisory_key("fencelock:v1:", "job"), 2125831629337770132);
+    }
+
+    #[test]
+    fn channel_names_are_plain_identifiers() {
+        let c = channel_name("odd \"prefix\"; DROP TABLE x");
+        assert!(c.len() < 63);
+        assert!(c
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+    }
+}

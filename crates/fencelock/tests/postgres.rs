@@ -1,0 +1,474 @@
+//! The PostgreSQL engine, both modes, against a real server started by the test kit.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use fencelock::{Client, ErrorKind, LockOptions};
+use fencelock_testkit::PgServer;
+use tokio::time::timeout;
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn lease_url(server: &PgServer) -> String {
+    format!("{}?mode=lease", server.url())
+}
+
+async fn client(url: &str) -> Client {
+    timeout(LIMIT, Client::connect(url)).await.unwrap().unwrap()
+}
+
+fn query(server: &PgServer, sql: &str) -> String {
+    let out = server.psql(sql).unwrap();
+    assert!(out.status.success(), "psql failed: {out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn advisory_key(c: &Client, name: &str) -> i64 {
+    let keys = c.keys_for(name).unwrap();
+    let (_, k) = keys.iter().find(|(label, _)| *label == "advisory").unwrap();
+    k.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn advisory_mutual_exclusion_and_token_order_under_contention() {
+    let server = PgServer::start().unwrap();
+    common::check_mutual_exclusion(&server.url(), 12, 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_table_mutual_exclusion_and_token_order_under_contention() {
+    let server = PgServer::start().unwrap();
+    common::check_mutual_exclusion(&lease_url(&server), 12, 5).await;
+}
+
+/// Advisory locks are re-entrant per session; two leases of one process (sharing its pooled
+/// sessions) must still exclude each other.
+#[tokio::test]
+async fn two_leases_of_one_client_exclude_each_other() {
+    let server = PgServer::start().unwrap();
+    let c = client(&server.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(5));
+    let first = c.try_acquire("job", &opts).await.unwrap();
+    let e = c.try_acquire("job", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother, "{e}");
+    let t1 = first.token();
+    first.release().await.unwrap();
+    let second = c.try_acquire("job", &opts).await.unwrap();
+    assert!(second.token() > t1);
+    second.release().await.unwrap();
+    // Released means released on the server too: a psql session can take it now.
+    let k = advisory_key(&c, "job");
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "t"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psql_and_fencelock_exclude_each_other_on_the_printed_key() {
+    let server = PgServer::start().unwrap();
+    let c = client(&server.url()).await;
+    let k = advisory_key(&c, "nightly-invoices");
+    let opts = LockOptions::default().ttl(Duration::from_secs(5));
+
+    // fencelock holds: psql's try fails.
+    let lease = c.try_acquire("nightly-invoices", &opts).await.unwrap();
+    assert_eq!(
+        query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
+        "f"
+    );
+    lease.release().await.unwrap();
+
+    // psql holds: fencelock is refused and names the psql backend; once that session ends,
+    // a waiting acquire gets it.
+    let mut psql = server
+        .psql_session(&format!("SELECT pg_advisory_lock({k}), pg_sleep(60)"))
+        .unwrap();
+    let held_by_psql = format!(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = 'psql' \
+         AND ((l.classid::bigint << 32) | l.objid::bigint) = {k}"
+    );
+    assert!(fencelock_testkit::wait_until(LIMIT, || query(
+        &server,
+        &held_by_psql
+    ) == "1"));
+    let e = c.try_acquire("nightly-invoices", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother, "{e}");
+    let holder = c
+        .inspect("nightly-invoices")
+        .await
+        .unwrap()
+        .expect("held by psql");
+    assert!(holder.owner.starts_with("postgres backend "), "{holder:?}");
+    assert_eq!(holder.client.as_deref(), Some("psql"));
+
+    let waiter = {
+        let c = c.clone();
+        let opts = opts.clone().wait(Duration::from_secs(15));
+        tokio::spawn(async move { c.acquire("nightly-invoices", &opts).await })
+    };
+    // The runbook's forced release ends the psql session, the only way to take a session
+    // lock away from its holder.
+    let request = fencelock::ForceRelease::new("psql session left open").holder_is_dead(true);
+    let record = c
+        .force_release("nightly-invoices", &request)
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(record.holder.owner.starts_with("postgres backend "));
+    let lease = timeout(LIMIT, waiter).await.unwrap().unwrap().unwrap();
+    assert!(lease.token() > record.counter);
+    lease.release().await.unwrap();
+    let _ = psql.kill();
+    let _ = psql.wait();
+}
+
+/// The backend of the holder's session is terminated: the lease is reported lost within a
+/// second or so, long before its TTL (30 s) could tell, and the lock is free for others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_backend_means_lost_leases_at_once() {
+    let server = PgServer::start().unwrap();
+    let c = client(&server.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    let lease = c.try_acquire("job", &opts).await.unwrap();
+    let other = c.try_acquire("other", &opts).await.unwrap();
+    let k = advisory_key(&c, "job");
+    let killed = query(
+        &server,
+        &format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_locks l WHERE l.locktype = 'advisory' \
+             AND ((l.classid::bigint << 32) | l.objid::bigint) = {k}"
+        ),
+    );
+    assert_eq!(killed, "t");
+    timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
+    let e = lease.extend().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LeaseLost, "{e}");
+    // A lease on another session is untouched (it may share the terminated one: then it is
+    // lost too, and says so).
+    if !other.is_lost() {
+        other.extend().await.unwrap();
+    }
+    let again = c.try_acquire("job", &opts).await.unwrap();
+    assert!(again.token() > lease.token());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_restart_means_lost_leases_and_tokens_survive() {
+    let mut server = PgServer::start().unwrap();
+    for url in [server.url(), lease_url(&server)] {
+        let lease_mode = url.contains("mode=lease");
+        let c = client(&url).await;
+        let ttl = Duration::from_secs(if lease_mode { 10 } else { 2 });
+        let opts = LockOptions::default().ttl(ttl);
+        let lease = c.try_acquire("job", &opts).await.unwrap();
+        let first = lease.token();
+        tokio::task::block_in_place(|| server.restart().unwrap());
+        if lease_mode {
+            // The row survives the restart: once the client has reconnected, the lease
+            // renews as before.
+            timeout(Duration::from_secs(5), async {
+                while lease.extend().await.is_err() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+            .await
+            .unwrap();
+            assert!(!lease.is_lost());
+            lease.release().await.unwrap();
+        } else {
+            // The session ended with the server: the lease is reported lost at once.
+            timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
+        }
+        let c = client(&url).await;
+        let next = timeout(
+            LIMIT,
+            c.acquire("job", &opts.clone().wait(Duration::from_secs(5))),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert!(next.token() > first, "{first} then {}", next.token());
+        next.release().await.unwrap();
+    }
+}
+
+/// 10,000 leases held at once by one client, on at most 10 connections, all renewed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_leases_share_at_most_ten_connections() {
+    let server = PgServer::start().unwrap();
+    let c = Client::builder(format!("{}?pool=10", server.url()))
+        .client_name("many")
+        .connect()
+        .await
+        .unwrap();
+    let opts = LockOptions::default().ttl(Duration::from_secs(12));
+    let mut tasks = tokio::task::JoinSet::new();
+    // 64 acquisitions in flight at a time, as a busy service would have.
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(64));
+    let started = std::time::Instant::now();
+    for i in 0..10_000 {
+        let (c, opts, permits) = (c.clone(), opts.clone(), permits.clone());
+        tasks.spawn(async move {
+            let _permit = permits.acquire().await.unwrap();
+            c.try_acquire(&format!("item-{i}"), &opts).await
+        });
+    }
+    let mut leases = Vec::new();
+    while let Some(r) = timeout(LIMIT, tasks.join_next()).await.unwrap() {
+        leases.push(r.unwrap().unwrap());
+    }
+    assert_eq!(leases.len(), 10_000);
+    eprintln!("10,000 leases acquired in {:?}", started.elapsed());
+    let held = query(
+        &server,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+    );
+    assert_eq!(held, "10000");
+    let connections = query(
+        &server,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'fencelock'",
+    );
+    let n: usize = connections.parse().unwrap();
+    assert!((1..=10).contains(&n), "{n} connections");
+    // A renewal round (every TTL/3) goes by and every lease is still valid.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    assert!(leases.iter().all(|l| !l.is_lost()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for l in leases {
+        tasks.spawn(l.release());
+    }
+    while let Some(r) = timeout(LIMIT, tasks.join_next()).await.unwrap() {
+        r.unwrap().unwrap();
+    }
+    assert_eq!(
+        query(
+            &server,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        ),
+        "0"
+    );
+}
+
+/// Lease-table mode: the expiry is the database's; an abandoned lease frees the resource
+/// after its TTL and the next holder gets a greater token.
+#[tokio::test]
+async fn lease_table_expiry_by_the_database_clock() {
+    let server = PgServer::start().unwrap();
+    let c = client(&lease_url(&server)).await;
+    let opts = LockOptions::default()
+        .ttl(Duration::from_millis(300))
+        .auto_renew(false);
+    let first = c.try_acquire("job", &opts).await.unwrap();
+    let holder = c.inspect("job").await.unwrap().expect("held");
+    assert_eq!(holder.owner, first.owner());
+    assert!(holder.ttl_left.unwrap() <= Duration::from_millis(300));
+    let e = c.try_acquire("job", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    let second = timeout(
+        LIMIT,
+        c.acquire("job", &opts.clone().wait(Duration::from_secs(5))),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(second.token() > first.token());
+    // The stale holder can neither release nor extend the successor's lease.
+    let e = first.release().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotHolder, "{e}");
+    assert_eq!(
+        c.inspect("job").await.unwrap().map(|h| h.owner),
+        Some(second.owner().to_owned())
+    );
+}
+
+#[tokio::test]
+async fn lease_table_stale_owner_and_watchdog() {
+    let server = PgServer::start().unwrap();
+    common::check_stale_owner(&lease_url(&server)).await;
+    common::check_watchdog(&lease_url(&server)).await;
+}
+
+#[tokio::test]
+async fn advisory_stale_owner_and_watchdog() {
+    let server = PgServer::start().unwrap();
+    common::check_stale_owner(&server.url()).await;
+    common::check_watchdog(&server.url()).await;
+}
+
+/// A release wakes a waiter through LISTEN/NOTIFY, well before its backoff would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_wakes_waiters_in_both_modes() {
+    let server = PgServer::start().unwrap();
+    for url in [server.url(), lease_url(&server)] {
+        let holder = client(&url).await;
+        let waiter = client(&url).await;
+        let lease = holder
+            .try_acquire("job", &LockOptions::default())
+            .await
+            .unwrap();
+        let opts = LockOptions::default()
+            .wait(Duration::from_secs(20))
+            .backoff(Duration::from_secs(10), Duration::from_secs(10));
+        let task = tokio::spawn(async move { waiter.acquire("job", &opts).await });
+        // Let the waiter make its first attempt and start its long backoff.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released = tokio::time::Instant::now();
+        lease.release().await.unwrap();
+        let got = timeout(LIMIT, task).await.unwrap().unwrap().unwrap();
+        assert!(
+            released.elapsed() < Duration::from_secs(3),
+            "{url}: woken after {:?}",
+            released.elapsed()
+        );
+        got.release().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_release_in_both_modes_is_audited_and_fences_the_old_holder() {
+    let server = PgServer::start().unwrap();
+    for url in [server.url(), lease_url(&server)] {
+        // The audit log is shared by both modes; each mode has a name of its own here.
+        let name = if url.contains("mode=lease") {
+            "stuck-row"
+        } else {
+            "stuck"
+        };
+        let c = client(&url).await;
+        let lease = c
+            .try_acquire(name, &LockOptions::default().ttl(Duration::from_secs(30)))
+            .await
+            .unwrap();
+        let request = fencelock::ForceRelease::new("test").holder_is_dead(true);
+        let record = c
+            .force_release(name, &request)
+            .await
+            .unwrap()
+            .expect("released");
+        assert_eq!(record.holder.owner, lease.owner());
+        assert!(record.counter > lease.token());
+        assert!(c.inspect(name).await.unwrap().is_none());
+        let next = c.try_acquire(name, &LockOptions::default()).await.unwrap();
+        assert!(next.token() > record.counter);
+        let audit = c.audit(Some(name)).await.unwrap();
+        assert_eq!(audit.len(), 1, "{url}");
+        assert_eq!(audit[0].id, record.id);
+        if !url.contains("mode=lease") {
+            // Advisory mode ends the holder's session: the loss is reported at once.
+            timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
+        }
+        next.release().await.unwrap();
+        let listed = c.list("").await.unwrap();
+        assert!(listed.is_empty(), "{listed:?}");
+    }
+}
+
+#[tokio::test]
+async fn unreachable_server_and_bad_urls_are_clear_errors() {
+    let port = fencelock_testkit::free_port();
+    let e = Client::builder(format!("postgres://postgres@127.0.0.1:{port}/postgres"))
+        .op_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
+    for url in [
+        "postgres://h/db?mode=nope",
+        "postgres://h/db?pool=50",
+        "postgres://h:notaport/db",
+    ] {
+        let e = Client::connect(url).await.err().unwrap();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{url}: {e}");
+    }
+}
+
+/// Acquisitions cancelled at every stage (before, during and after the server's answer)
+/// leave nothing held once the client's clean-up is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_acquisitions_leave_no_lock_behind() {
+    let server = PgServer::start().unwrap();
+    for url in [server.url(), lease_url(&server)] {
+        let c = client(&url).await;
+        let opts = LockOptions::default().ttl(Duration::from_secs(30));
+        for i in 0..60u64 {
+            // Cancelled, granted, or refused while an earlier cancelled attempt's clean-up
+            // (in the background until `close`) has not run yet.
+            match timeout(Duration::from_micros(i * 25), c.try_acquire("job", &opts)).await {
+                Ok(Ok(lease)) => lease.release().await.unwrap(),
+                Ok(Err(e)) => assert_eq!(e.kind(), ErrorKind::HeldByAnother, "{url}: {e}"),
+                Err(_) => {}
+            }
+        }
+        timeout(LIMIT, c.close()).await.unwrap();
+        let other = client(&url).await;
+        let lease = other.try_acquire("job", &opts).await.unwrap();
+        lease.release().await.unwrap();
+        if !url.contains("mode=lease") {
+            assert_eq!(
+                query(
+                    &server,
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                ),
+                "0"
+            );
+        }
+    }
+}
+
+/// Advisory locks never expire on the server; a lease dropped without release is unlocked by
+/// its client once its TTL passes, so the resource does not stay taken while the process lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_advisory_lease_is_unlocked_after_its_ttl() {
+    let server = PgServer::start().unwrap();
+    let c = client(&server.url()).await;
+    let other = client(&server.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_millis(400));
+    let lease = c.try_acquire("job", &opts).await.unwrap();
+    let token = lease.token();
+    let dropped = tokio::time::Instant::now();
+    drop(lease);
+    let next = timeout(
+        LIMIT,
+        other.acquire("job", &opts.clone().wait(Duration::from_secs(5))),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(dropped.elapsed() >= Duration::from_millis(300));
+    assert!(next.token() > token);
+    next.release().await.unwrap();
+}
+
+/// Lease-table mode keeps no session state and sends unnamed statements only, so it works
+/// through a transaction pooler (PgBouncer, pool_mode = transaction, 2 server connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_table_works_through_a_transaction_pooler() {
+    let server = PgServer::start().unwrap();
+    let pooler = fencelock_testkit::PgBouncer::start(&server).unwrap();
+    let url = format!("{}?mode=lease", pooler.url());
+    common::check_mutual_exclusion(&url, 8, 5).await;
+    common::check_stale_owner(&url).await;
+    common::check_watchdog(&url).await;
+    let c = client(&url).await;
+    let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
+    let record = c
+        .force_release(
+            "job",
+            &fencelock::ForceRelease::new("test").holder_is_dead(true),
+        )
+        .await
+        .unwrap()
+        .expect("released");
+    assert!(record.counter > lease.token());
+    assert_eq!(
+        c.audit(Some("job")).await.unwrap().len(),
+        1,
+        "{}",
+        pooler.log()
+    );
+}
