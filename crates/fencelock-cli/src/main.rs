@@ -44,7 +44,8 @@ struct Cli {
 
 #[derive(Args, Debug, Clone)]
 pub struct BackendArg {
-    /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3.
+    /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3,
+    /// etcd://h1:p1,h2:p2,h3:p3.
     /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
     #[arg(long, env = "FENCELOCK_URL", global = true)]
     backend: Option<String>,
@@ -111,7 +112,7 @@ pub struct RunArgs {
     /// Client name recorded with the lease (shown by `inspect`).
     #[arg(long, default_value = "fencelock-run")]
     pub client_name: String,
-    /// Wait in FIFO order behind earlier waiters (Redis engines).
+    /// Wait in FIFO order behind earlier waiters (Redis engines; etcd always does).
     #[arg(long)]
     pub fair: bool,
     /// Serve metrics in Prometheus text format on this address (e.g. 127.0.0.1:9464) while

@@ -83,7 +83,7 @@ pub(crate) enum Renewed {
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
     /// Neither confirmed nor refused (a quorum engine reached too few nodes): a failed renewal.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "redis", feature = "etcd")), allow(dead_code))]
     Unconfirmed,
 }
 
@@ -94,6 +94,26 @@ pub(crate) trait Engine: Send + Sync + 'static {
 
     /// One attempt, atomically taking the lock and advancing the fencing counter.
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt>;
+
+    /// Whether the engine keeps its own FIFO queue of waiters and waits in it
+    /// ([`Engine::acquire_queued`]), instead of the client retrying [`Engine::try_acquire`].
+    fn queues_waiters(&self) -> bool {
+        false
+    }
+
+    /// Engine-native queued acquisition: enqueue `req` and wait up to `wait` to reach the head
+    /// of the queue. Returns the outcome and the instant the grant's validity counts from.
+    /// Whatever the outcome, and if the future is dropped, the queue entry may remain until
+    /// the caller releases `req.owner`; the client does so unless the outcome is a grant.
+    async fn acquire_queued(
+        &self,
+        req: &AcquireRequest,
+        wait: Duration,
+    ) -> Result<(Attempt, tokio::time::Instant)> {
+        let _ = wait;
+        let started = tokio::time::Instant::now();
+        Ok((self.try_acquire(req).await?, started))
+    }
 
     /// Owner-checked renewal of many leases in as few server calls as the engine allows (one
     /// per node). The answer has one entry per renewal, in order.

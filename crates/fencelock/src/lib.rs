@@ -28,7 +28,7 @@
 //! - **clients**: [`Client`], [`ClientBuilder`], [`LockOptions`], [`Lease`] (the lost signal,
 //!   `run`, `extend`, `release`) and the watchdog that renews leases;
 //! - **lock servers**: one module per engine behind a cargo feature (`sqlite`, on by default;
-//!   `redis`), each implementing one small internal trait;
+//!   `redis`, `etcd`), each implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
 //! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
 //!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
@@ -43,6 +43,7 @@
 //! | `sqlite:///absolute/path.db` (`sqlite://` for the default file) | SQLite, many processes on one machine |
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
+//! | `etcd://[user:pass@]h1:p1,h2:p2,...`, `etcds://...?ca=PATH&cert=PATH&key=PATH` | one etcd cluster (feature `etcd`) |
 //!
 //! # Validity
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
@@ -88,6 +89,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod backend;
+mod backend_etcd;
 mod client;
 mod engine;
 mod error;
@@ -108,6 +110,10 @@ mod sqlite;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 mod redis;
+
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+mod etcd;
 
 pub use backend::{default_sqlite_path, default_url, redact_url, Backend, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
