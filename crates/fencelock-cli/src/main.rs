@@ -11,6 +11,7 @@ mod bench;
 mod chaos;
 mod demo;
 mod doctor;
+mod elect;
 mod json;
 mod ops;
 mod run;
@@ -58,6 +59,8 @@ pub struct BackendArg {
 enum Command {
     /// Run a command while holding a lock, like flock(1) across machines.
     Run(RunArgs),
+    /// Run a command only while leading an election (etcd), or watch who leads.
+    Elect(elect::ElectArgs),
     /// Print the engine keys a resource name maps to, so other tools can take the same lock.
     Key {
         /// Resource name.
@@ -210,6 +213,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run::run(args).await,
+            Command::Elect(args) => elect::elect(args).await,
             Command::Inspect(args) => ops::inspect(args).await,
             Command::List(args) => ops::list(args).await,
             Command::Release(args) => ops::release(args).await,

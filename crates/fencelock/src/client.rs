@@ -179,14 +179,15 @@ impl Client {
     /// attempt whose answer had not arrived is released (owner-checked) in the background;
     /// [`Client::close`] waits for that clean-up.
     pub async fn acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
-        self.acquire_within(name, opts, opts.wait_value()).await
+        self.acquire_within(name, opts, opts.wait_value(), None)
+            .await
     }
 
     /// One attempt to acquire `name`, whatever `opts.wait` says. Fails with
     /// [`ErrorKind::HeldByAnother`], carrying the holder, when the lock is held. Cancel safe as
     /// [`Client::acquire`].
     pub async fn try_acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
-        self.acquire_within(name, opts, Duration::ZERO).await
+        self.acquire_within(name, opts, Duration::ZERO, None).await
     }
 
     /// The current holder of `name`, if the lock is held.
@@ -211,11 +212,12 @@ impl Client {
         self.inner.call(name, self.inner.op_timeout, fut).await
     }
 
-    async fn acquire_within(
+    pub(crate) async fn acquire_within(
         &self,
         name: &str,
         opts: &LockOptions,
         wait: Duration,
+        campaign: Option<&str>,
     ) -> Result<Lease> {
         let span = tracing::debug_span!(
             "acquire",
@@ -225,7 +227,7 @@ impl Client {
         );
         let started = Instant::now();
         let result = self
-            .acquire_loop(name, opts, wait)
+            .acquire_loop(name, opts, wait, campaign)
             .instrument(span.clone())
             .await;
         let outcome = crate::metrics::acquire_finished(
@@ -238,7 +240,13 @@ impl Client {
         result
     }
 
-    async fn acquire_loop(&self, name: &str, opts: &LockOptions, wait: Duration) -> Result<Lease> {
+    async fn acquire_loop(
+        &self,
+        name: &str,
+        opts: &LockOptions,
+        wait: Duration,
+        campaign: Option<&str>,
+    ) -> Result<Lease> {
         validate_name(name)?;
         opts.validate(self.inner.max_ttl)?;
         let inner = &self.inner;
@@ -250,6 +258,7 @@ impl Client {
             owner: format!("{:032x}", rand::random::<u128>()),
             ttl,
             meta: inner.meta.clone(),
+            campaign: campaign.map(str::to_owned),
             fair: opts
                 .fair_value()
                 .then(|| max_backoff * 4 + inner.op_timeout),

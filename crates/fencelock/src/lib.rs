@@ -34,6 +34,8 @@
 //!   Redis (feature `redis`), in PostgreSQL inside the caller's transaction (feature
 //!   `postgres`), and with the `http` feature a tower layer that refuses stale requests before
 //!   the handler runs.
+//! - **leader election**: [`Election`] (campaign, observe, proclaim, resign) on top of the
+//!   same leases, with the leader's fencing token; on etcd interoperable with `etcdctl elect`.
 //! - **operations**: the [stuck-lock runbook](#stuck-lock-runbook): [`Holder::assess`],
 //!   [`Client::list`], [`Client::force_release`] and its audit log, [`Client::audit`].
 //!
@@ -91,6 +93,7 @@
 mod backend;
 mod backend_etcd;
 mod client;
+mod election;
 mod engine;
 mod error;
 pub mod fence;
@@ -117,6 +120,7 @@ mod etcd;
 
 pub use backend::{default_sqlite_path, default_url, redact_url, Backend, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
+pub use election::{Election, Leader, Leadership, MAX_VALUE_BYTES};
 pub use error::{Error, ErrorKind, Result};
 pub use holder::Holder;
 pub use lease::{Lease, LostSignal};

@@ -42,10 +42,12 @@ use etcd_client::{
     Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use percent_encoding::{percent_decode_str, utf8_percent_encode, NON_ALPHANUMERIC};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::backend::Backend;
 use crate::client::DEFAULT_PREFIX;
+use crate::election::{publish, Leader};
 use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
@@ -393,7 +395,11 @@ impl Engine for EtcdEngine {
             async move { c.lease_grant(secs, Some(opts)).await }
         })
         .await?;
-        let (rev, head) = self.enqueue(&session, Self::meta_value(req)).await?;
+        let value = match &req.campaign {
+            Some(v) => v.clone(),
+            None => Self::meta_value(req),
+        };
+        let (rev, head) = self.enqueue(&session, value).await?;
         session.rev = rev;
         if let Some(s) = self.sessions().get_mut(&req.owner) {
             s.rev = rev;
@@ -509,6 +515,89 @@ impl Engine for EtcdEngine {
             Err(e) => tracing::debug!(error = %e, "lease revoke failed; it expires on its own"),
         }
         Ok(deleted?.succeeded() && s.rev != 0)
+    }
+
+    async fn leader(&self, name: &str) -> Result<Option<Leader>> {
+        Ok(self.head(name).await?.map(|kv| leader_of(&kv)))
+    }
+
+    async fn proclaim(&self, name: &str, owner: &str, value: &str) -> Result<bool> {
+        let Some(s) = self.sessions().get(owner).cloned() else {
+            return Ok(false);
+        };
+        let _ = name;
+        // As election.go's Proclaim: rewrite the leader's key only while it is still the key
+        // this campaign created.
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                s.key.clone(),
+                CompareOp::Equal,
+                s.rev,
+            )])
+            .and_then([TxnOp::put(
+                s.key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(s.lease)),
+            )]);
+        let resp = self
+            .bounded("proclaim", |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(resp.succeeded())
+    }
+
+    async fn observe(&self, name: &str, tx: &watch::Sender<Option<Leader>>, _poll: Duration) {
+        let waiters = self.keys.waiters(name);
+        loop {
+            let step = async {
+                // Read the leader, then watch the election's keys from just after that read:
+                // no change between the two is missed.
+                let read = self.bounded("read the leader", |mut c| {
+                    let waiters = waiters.clone();
+                    async move { c.get(waiters, Some(first_created().with_limit(1))).await }
+                });
+                let resp = match read.await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "reading the leader failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        return;
+                    }
+                };
+                publish(tx, resp.kvs().first().map(leader_of));
+                let at = resp.header().map_or(0, |h| h.revision());
+                let opts = WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(at + 1);
+                let watch = self.bounded("watch the election", |mut c| {
+                    let (waiters, opts) = (waiters.clone(), opts.clone());
+                    async move { c.watch(waiters, Some(opts)).await }
+                });
+                let Ok(mut stream) = watch.await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    return;
+                };
+                // Any event may change the leader; the loop reads it again. Re-armed every
+                // operation timeout, as waiters are.
+                let rearm = tokio::time::sleep(self.op_timeout);
+                tokio::pin!(rearm);
+                loop {
+                    tokio::select! {
+                        _ = &mut rearm => return,
+                        msg = stream.message() => match msg {
+                            Ok(Some(r)) if r.events().is_empty() && !r.canceled() => {}
+                            _ => return,
+                        },
+                    }
+                }
+            };
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = step => {}
+            }
+        }
     }
 
     async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
@@ -712,6 +801,13 @@ fn session_expired() -> Error {
         "the session lease of this waiter expired while it waited in the queue; the lock was \
          not acquired",
     )
+}
+
+fn leader_of(kv: &KeyValue) -> Leader {
+    Leader {
+        value: String::from_utf8_lossy(kv.value()).into_owned(),
+        token: FencingToken::new(u64::try_from(kv.create_revision()).unwrap_or(0)),
+    }
 }
 
 fn first_created() -> GetOptions {
