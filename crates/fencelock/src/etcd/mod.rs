@@ -107,22 +107,12 @@ impl EtcdEngine {
     /// handle, which the client balances to another member) while the call fails before it
     /// reached a server that could act on it: a refused connection (a dead member the channel
     /// still lists) or a member without a leader.
-    async fn bounded<T, F, Fut>(&self, what: &str, mut f: F) -> Result<T>
+    async fn bounded<T, F, Fut>(&self, what: &str, f: F) -> Result<T>
     where
         F: FnMut(etcd_client::Client) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
     {
-        let deadline = Instant::now() + self.op_timeout;
-        loop {
-            match tokio::time::timeout_at(deadline, f(self.client.clone())).await {
-                Ok(Ok(v)) => return Ok(v),
-                Ok(Err(e)) if unsent(&e) && Instant::now() + RETRY_PAUSE < deadline => {
-                    tokio::time::sleep(RETRY_PAUSE).await;
-                }
-                Ok(Err(e)) => return Err(etcd_error(what, e)),
-                Err(_) => return Err(no_answer(what, self.op_timeout)),
-            }
-        }
+        retrying(&self.client, self.op_timeout, what, f).await
     }
 
     /// Enqueues the session's key (if absent) and reads the queue head, in one transaction.
@@ -240,12 +230,19 @@ impl EtcdEngine {
 
     /// Keeps a queued session's lease alive every TTL/3. Returns the error that ended it: the
     /// lease is gone, or no keep-alive was confirmed for a whole TTL.
-    async fn keep_queued_alive(&self, lease: i64, key: &str, ttl: Duration) -> Error {
-        let mut confirmed = Instant::now();
+    async fn keep_queued_alive(
+        &self,
+        lease: i64,
+        key: &str,
+        ttl: Duration,
+        confirmed_at: &Mutex<Instant>,
+    ) -> Error {
         loop {
             tokio::time::sleep(renew_interval(ttl)).await;
+            let sent = Instant::now();
+            let confirmed = *confirmed_at.lock().unwrap_or_else(|p| p.into_inner());
             match self.keep_alive(lease).await {
-                Ok(()) => confirmed = Instant::now(),
+                Ok(()) => *confirmed_at.lock().unwrap_or_else(|p| p.into_inner()) = sent,
                 Err(e) if lease_gone(&e) && !self.key_exists(key).await => {
                     return session_expired()
                 }
@@ -420,9 +417,12 @@ impl Engine for EtcdEngine {
             };
             return Ok((held(holder), started));
         }
+        // The lease's expiry on the server counts from the last keep-alive it confirmed (the
+        // grant, at first): a grant after the wait counts its validity from there.
+        let confirmed_at = Mutex::new(started);
         tokio::select! {
             r = self.wait_deletes(&req.name, rev) => r?,
-            e = self.keep_queued_alive(lease, &session.key, req.ttl) => return Err(e.with_resource(&req.name)),
+            e = self.keep_queued_alive(lease, &session.key, req.ttl, &confirmed_at) => return Err(e.with_resource(&req.name)),
             _ = tokio::time::sleep_until(deadline) => {
                 let holder = match self.head(&req.name).await {
                     Ok(Some(kv)) => Some(self.holder_of(&kv).await),
@@ -431,17 +431,9 @@ impl Engine for EtcdEngine {
                 return Ok((held(holder), started));
             }
         }
-        // First in line. The lease was kept alive while queued; one more keep-alive fixes the
-        // instant the validity counts from, and the key is checked as etcd's mutex does (the
-        // session may have expired while the watch was quiet).
-        let confirmed = Instant::now();
-        if let Err(e) = self.keep_alive(lease).await {
-            return Err(if lease_gone(&e) && !self.key_exists(&session.key).await {
-                session_expired()
-            } else {
-                etcd_error("keep the session alive", e)
-            });
-        }
+        // First in line. As etcd's mutex does, check that the key is still there: the session
+        // may have expired, or the key been force-released, while the watch was quiet.
+        let confirmed = *confirmed_at.lock().unwrap_or_else(|p| p.into_inner());
         if !self.key_is_mine(&session).await? {
             return Err(session_expired());
         }
@@ -505,16 +497,30 @@ impl Engine for EtcdEngine {
             .await;
         // Revoking the session removes whatever key is still attached to it, also one whose
         // creation was never answered. A lease that is already gone is not an error.
-        let lease = s.lease;
-        let revoke = self.bounded("revoke the session lease", |mut c| async move {
-            c.lease_revoke(lease).await
-        });
-        match revoke.await {
-            Ok(_) => {}
-            Err(e) if e.to_string().contains("lease not found") => {}
-            Err(e) => tracing::debug!(error = %e, "lease revoke failed; it expires on its own"),
+        let (client, limit, lease) = (self.client.clone(), self.op_timeout, s.lease);
+        let revoke = async move {
+            let revoked = retrying(
+                &client,
+                limit,
+                "revoke the session lease",
+                |mut c| async move { c.lease_revoke(lease).await },
+            );
+            match revoked.await {
+                Ok(_) => {}
+                Err(e) if e.to_string().contains("lease not found") => {}
+                Err(e) => tracing::debug!(error = %e, "lease revoke failed; it expires on its own"),
+            }
+        };
+        let held = s.rev != 0 && deleted.as_ref().is_ok_and(|r| r.succeeded());
+        if held {
+            // The key this session created is deleted and no creation of it can be in flight
+            // (it was answered): the revocation only frees the lease, off the release's path.
+            tokio::spawn(revoke);
+        } else {
+            revoke.await;
         }
-        Ok(deleted?.succeeded() && s.rev != 0)
+        deleted?;
+        Ok(held)
     }
 
     async fn leader(&self, name: &str) -> Result<Option<Leader>> {
@@ -762,6 +768,30 @@ pub(crate) async fn connect_client(
             KIND,
             "no answer from etcd while connecting (authenticating); check that the cluster is up",
         )),
+    }
+}
+
+/// [`EtcdEngine::bounded`], for tasks that outlive the engine borrow.
+async fn retrying<T, F, Fut>(
+    client: &etcd_client::Client,
+    limit: Duration,
+    what: &str,
+    mut f: F,
+) -> Result<T>
+where
+    F: FnMut(etcd_client::Client) -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, f(client.clone())).await {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) if unsent(&e) && Instant::now() + RETRY_PAUSE < deadline => {
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+            Ok(Err(e)) => return Err(etcd_error(what, e)),
+            Err(_) => return Err(no_answer(what, limit)),
+        }
     }
 }
 
