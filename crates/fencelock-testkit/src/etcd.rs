@@ -37,11 +37,124 @@ struct Member {
 pub struct EtcdCluster {
     members: Vec<Member>,
     dir: TempDir,
+    tls: Option<EtcdTls>,
+}
+
+/// Certificates for an etcd cluster that serves clients over mutual TLS: a CA, one
+/// certificate for 127.0.0.1 usable by servers and clients, and a client-only certificate,
+/// generated with the `openssl` command line into a directory.
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// The CA certificate (PEM).
+    pub ca: PathBuf,
+    /// The members' certificate (PEM), also valid as a client certificate (etcdctl uses it).
+    pub server_cert: PathBuf,
+    /// Its key.
+    pub server_key: PathBuf,
+    /// A client certificate (PEM) signed by the CA.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+}
+
+impl EtcdTls {
+    /// Generates a fresh CA and certificates in `dir` (EC P-256, valid two days).
+    pub fn generate(dir: &Path) -> io::Result<EtcdTls> {
+        let p = |f: &str| dir.join(f);
+        let s = |path: PathBuf| path.to_string_lossy().into_owned();
+        fs::write(
+            p("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )?;
+        fs::write(p("client.ext"), "extendedKeyUsage=clientAuth\n")?;
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let (ca, ca_key) = (s(p("ca.pem")), s(p("ca.key")));
+        let ca_args = [
+            "-keyout",
+            &ca_key,
+            "-out",
+            &ca,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=fencelock-test-ca",
+        ];
+        openssl(&[&["req", "-x509"][..], &ec, &ca_args].concat())?;
+        for who in ["server", "client"] {
+            let (key, csr) = (s(p(&format!("{who}.key"))), s(p(&format!("{who}.csr"))));
+            let (pem, ext) = (s(p(&format!("{who}.pem"))), s(p(&format!("{who}.ext"))));
+            let subj = format!("/CN={who}");
+            openssl(
+                &[
+                    &["req"][..],
+                    &ec,
+                    &["-keyout", &key, "-out", &csr, "-subj", &subj],
+                ]
+                .concat(),
+            )?;
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &ca,
+                "-CAkey",
+                &ca_key,
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ])?;
+        }
+        Ok(EtcdTls {
+            ca: p("ca.pem"),
+            server_cert: p("server.pem"),
+            server_key: p("server.key"),
+            client_cert: p("client.pem"),
+            client_key: p("client.key"),
+        })
+    }
+}
+
+fn openssl(args: &[&str]) -> io::Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "openssl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )))
+    }
 }
 
 impl EtcdCluster {
     /// Starts `n` members and waits until every one reports healthy.
     pub fn start(n: usize) -> io::Result<EtcdCluster> {
+        Self::start_with(n, None)
+    }
+
+    /// Like [`EtcdCluster::start`], serving clients over TLS that requires a client
+    /// certificate signed by `tls.ca` (`--client-cert-auth`); members talk plain HTTP to each
+    /// other.
+    pub fn start_tls(n: usize, tls: &EtcdTls) -> io::Result<EtcdCluster> {
+        Self::start_with(n, Some(tls.clone()))
+    }
+
+    fn start_with(n: usize, tls: Option<EtcdTls>) -> io::Result<EtcdCluster> {
         let dir = tempfile::Builder::new()
             .prefix("fencelock-etcd")
             .tempdir()?;
@@ -54,7 +167,7 @@ impl EtcdCluster {
                 pid: 0,
             })
             .collect();
-        let mut cluster = EtcdCluster { members, dir };
+        let mut cluster = EtcdCluster { members, dir, tls };
         for i in 0..n {
             cluster.launch(i)?;
         }
@@ -72,9 +185,19 @@ impl EtcdCluster {
             .collect()
     }
 
-    /// `etcd://h1:p1,h2:p2,...` for every member.
+    /// `etcd://h1:p1,h2:p2,...` for every member (`etcds://` with the CA and the client
+    /// certificate when the cluster serves TLS).
     pub fn url(&self) -> String {
-        format!("etcd://{}", self.endpoints().join(","))
+        match &self.tls {
+            None => format!("etcd://{}", self.endpoints().join(",")),
+            Some(t) => format!(
+                "etcds://{}?ca={}&cert={}&key={}",
+                self.endpoints().join(","),
+                t.ca.display(),
+                t.client_cert.display(),
+                t.client_key.display()
+            ),
+        }
     }
 
     /// The number of members.
@@ -146,6 +269,7 @@ impl EtcdCluster {
         let mut cmd = Command::new(ctl_bin());
         cmd.env("ETCDCTL_API", "3")
             .arg(format!("--endpoints={}", self.endpoints().join(",")))
+            .args(self.ctl_tls_args())
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -171,10 +295,22 @@ impl EtcdCluster {
         Command::new(ctl_bin())
             .env("ETCDCTL_API", "3")
             .arg(format!("--endpoints={endpoints}"))
+            .args(self.ctl_tls_args())
             .arg("--command-timeout=2s")
             .args(args)
             .stdin(Stdio::null())
             .output()
+    }
+
+    fn ctl_tls_args(&self) -> Vec<String> {
+        match &self.tls {
+            None => Vec::new(),
+            Some(t) => vec![
+                format!("--cacert={}", t.ca.display()),
+                format!("--cert={}", t.server_cert.display()),
+                format!("--key={}", t.server_key.display()),
+            ],
+        }
     }
 
     fn launch(&mut self, i: usize) -> io::Result<()> {
@@ -185,10 +321,20 @@ impl EtcdCluster {
             .collect::<Vec<_>>()
             .join(",");
         let dir = self.dir.path().to_path_buf();
+        let tls_args: Vec<String> = match &self.tls {
+            None => Vec::new(),
+            Some(t) => vec![
+                format!("--cert-file={}", t.server_cert.display()),
+                format!("--key-file={}", t.server_key.display()),
+                format!("--trusted-ca-file={}", t.ca.display()),
+                "--client-cert-auth".to_owned(),
+            ],
+        };
         let Some(m) = self.members.get_mut(i) else {
             return Err(io::Error::other(format!("no member {i}")));
         };
-        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let scheme = if tls_args.is_empty() { "http" } else { "https" };
+        let client = format!("{scheme}://127.0.0.1:{}", m.client_port);
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
         let log = fs::OpenOptions::new()
             .create(true)
@@ -211,6 +357,7 @@ impl EtcdCluster {
             .args(["--initial-cluster-state", "new"])
             .args(["--initial-cluster-token", "fencelock-test"])
             .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(&tls_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

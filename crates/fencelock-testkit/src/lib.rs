@@ -26,7 +26,7 @@ mod redis;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-pub use etcd::EtcdCluster;
+pub use etcd::{EtcdCluster, EtcdTls};
 pub use postgres::PgServer;
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 

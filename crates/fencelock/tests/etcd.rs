@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
 
 use fencelock::{Client, ErrorKind, ForceRelease, LockOptions};
-use fencelock_testkit::{wait_until, EtcdCluster};
+use fencelock_testkit::{wait_until, EtcdCluster, EtcdTls};
 use tokio::time::{timeout, Instant};
 
 fn cluster() -> EtcdCluster {
@@ -418,4 +418,50 @@ async fn unreachable_cluster_is_a_clear_engine_error() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
     assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_the_ca_and_a_client_certificate() {
+    let certs = tempfile::tempdir().unwrap();
+    let tls = EtcdTls::generate(certs.path()).unwrap();
+    let c = EtcdCluster::start_tls(1, &tls).unwrap();
+    assert!(c.url().starts_with("etcds://"));
+    let client = connect(&c.url()).await;
+    let lease = client
+        .try_acquire("tls", &LockOptions::default())
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+
+    // No client certificate: the server refuses the handshake.
+    let ep = c.endpoints().join(",");
+    let no_cert = format!("etcds://{ep}?ca={}", tls.ca.display());
+    // A CA that did not sign the server's certificate: the client refuses the server.
+    let other = tempfile::tempdir().unwrap();
+    let other = EtcdTls::generate(other.path()).unwrap();
+    let wrong_ca = format!(
+        "etcds://{ep}?ca={}&cert={}&key={}",
+        other.ca.display(),
+        tls.client_cert.display(),
+        tls.client_key.display()
+    );
+    for url in [no_cert, wrong_ca, format!("etcd://{ep}")] {
+        let client = Client::builder(&url)
+            .op_timeout(Duration::from_millis(500))
+            .connect()
+            .await;
+        let e = match client {
+            Ok(client) => client
+                .try_acquire("tls", &LockOptions::default())
+                .await
+                .unwrap_err(),
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), ErrorKind::Engine, "{url}: {e}");
+    }
+    // A missing file is the caller's mistake.
+    let e = Client::connect(&format!("etcds://{ep}?ca=/nonexistent/ca.pem"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
 }
