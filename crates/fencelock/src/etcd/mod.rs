@@ -67,6 +67,16 @@ struct Session {
     key: String,
     /// The key's create revision once known; 0 while the enqueue is unanswered.
     rev: i64,
+    ttl: Duration,
+    /// When the session was last granted or kept alive: an entry whose lease has surely
+    /// expired (a lease dropped without release, or lost by expiry) is forgotten.
+    seen: Instant,
+}
+
+impl Session {
+    fn forgotten(&self, op_timeout: Duration) -> bool {
+        self.seen.elapsed() > self.ttl * 2 + op_timeout
+    }
 }
 
 pub(crate) struct EtcdEngine {
@@ -101,6 +111,12 @@ impl EtcdEngine {
 
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn touch(&self, owner: &str) {
+        if let Some(s) = self.sessions().get_mut(owner) {
+            s.seen = Instant::now();
+        }
     }
 
     /// One etcd call, bounded by the operation timeout. `f` is called again (on a fresh
@@ -232,6 +248,7 @@ impl EtcdEngine {
     /// lease is gone, or no keep-alive was confirmed for a whole TTL.
     async fn keep_queued_alive(
         &self,
+        owner: &str,
         lease: i64,
         key: &str,
         ttl: Duration,
@@ -242,7 +259,10 @@ impl EtcdEngine {
             let sent = Instant::now();
             let confirmed = *confirmed_at.lock().unwrap_or_else(|p| p.into_inner());
             match self.keep_alive(lease).await {
-                Ok(()) => *confirmed_at.lock().unwrap_or_else(|p| p.into_inner()) = sent,
+                Ok(()) => {
+                    *confirmed_at.lock().unwrap_or_else(|p| p.into_inner()) = sent;
+                    self.touch(owner);
+                }
                 Err(e) if lease_gone(&e) && !self.key_exists(key).await => {
                     return session_expired()
                 }
@@ -383,8 +403,14 @@ impl Engine for EtcdEngine {
             lease,
             key: self.keys.waiter(&req.name, lease),
             rev: 0,
+            ttl: req.ttl,
+            seen: started,
         };
-        self.sessions().insert(req.owner.clone(), session.clone());
+        {
+            let mut sessions = self.sessions();
+            sessions.retain(|_, s| !s.forgotten(self.op_timeout));
+            sessions.insert(req.owner.clone(), session.clone());
+        }
         let secs = i64::try_from(req.ttl.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
         let opts = etcd_client::LeaseGrantOptions::new().with_id(lease);
         self.bounded("grant the session lease", |mut c| {
@@ -422,7 +448,7 @@ impl Engine for EtcdEngine {
         let confirmed_at = Mutex::new(started);
         tokio::select! {
             r = self.wait_deletes(&req.name, rev) => r?,
-            e = self.keep_queued_alive(lease, &session.key, req.ttl, &confirmed_at) => return Err(e.with_resource(&req.name)),
+            e = self.keep_queued_alive(&req.owner, lease, &session.key, req.ttl, &confirmed_at) => return Err(e.with_resource(&req.name)),
             _ = tokio::time::sleep_until(deadline) => {
                 let holder = match self.head(&req.name).await {
                     Ok(Some(kv)) => Some(self.holder_of(&kv).await),
@@ -443,6 +469,7 @@ impl Engine for EtcdEngine {
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let one = |r: &Renewal| {
             let session = self.sessions().get(&r.owner).cloned();
+            let owner = r.owner.clone();
             async move {
                 let Some(s) = session else {
                     return Renewed::NotHolder;
@@ -461,7 +488,10 @@ impl Engine for EtcdEngine {
                     Err(_) => return Renewed::Unconfirmed,
                 }
                 match self.key_is_mine(&s).await {
-                    Ok(true) => Renewed::Extended,
+                    Ok(true) => {
+                        self.touch(&owner);
+                        Renewed::Extended
+                    }
                     Ok(false) => Renewed::NotHolder,
                     Err(_) => Renewed::Unconfirmed,
                 }
