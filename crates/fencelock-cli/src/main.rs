@@ -59,7 +59,7 @@ pub struct BackendArg {
 enum Command {
     /// Run a command while holding a lock, like flock(1) across machines.
     Run(RunArgs),
-    /// Run a command only while leading an election (etcd), or watch who leads.
+    /// Run a command only while leading an election, or watch who leads (best on etcd).
     Elect(elect::ElectArgs),
     /// Print the engine keys a resource name maps to, so other tools can take the same lock.
     Key {

@@ -230,3 +230,27 @@ fn fencelock_run_and_etcdctl_lock_share_a_name() {
     assert!(lines[0].starts_with("/fencelock/v1/shared/"), "{lines:?}");
     assert!(token > 0);
 }
+
+/// On SQLite an election is a renewed lease whose holder records the value: the command runs
+/// while leading, and `--listen` shows the value and token of whoever leads.
+#[test]
+fn elect_on_sqlite_runs_the_command_and_listen_shows_the_leader() {
+    let sb = Sandbox::new();
+    let mut leader = sb.spawn({
+        let mut cmd = sb.fencelock("elect", &["--ttl", "2s", "--value", "node-1", "job"]);
+        cmd.args(["--", "sh", "-c"]).arg(format!(
+            "echo \"$FENCELOCK_TOKEN\" > token; {WAIT_FOR_RELEASE}"
+        ));
+        cmd
+    });
+    let token = wait_for_line(&sb.path("token"), FINISH);
+    let listener = sb.spawn(sb.fencelock("elect", &["--listen", "job"]));
+    let out = sb.path("proc-1.out");
+    let lines = first_lines(&listener, &out, 1);
+    assert_eq!(lines[0], format!("node-1\t{token}"));
+    std::fs::write(sb.path("release"), "").unwrap();
+    assert_eq!(leader.wait(FINISH).code(), Some(0));
+    let lines = first_lines(&listener, &out, 2);
+    assert_eq!(lines[1], "-\t-");
+    drop(listener);
+}

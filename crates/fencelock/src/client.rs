@@ -257,7 +257,15 @@ impl Client {
             name: name.to_owned(),
             owner: format!("{:032x}", rand::random::<u128>()),
             ttl,
-            meta: inner.meta.clone(),
+            // Engines without elections of their own keep the campaign value with the holder,
+            // as its client name (see `election`).
+            meta: match campaign {
+                Some(value) => HolderMeta {
+                    client: value.to_owned(),
+                    ..inner.meta.clone()
+                },
+                None => inner.meta.clone(),
+            },
             campaign: campaign.map(str::to_owned),
             fair: opts
                 .fair_value()

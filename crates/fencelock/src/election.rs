@@ -9,8 +9,13 @@
 //! and see every change of leader or value; `etcdctl elect -l NAME` sees fencelock's leaders
 //! and fencelock sees `etcdctl elect`'s.
 //!
-//! Other engines have no elections yet: the calls fail with
-//! [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput).
+//! On the other engines (SQLite, Redis, Redlock) an election is what can be built honestly
+//! from their leases: a campaign is an ordinary acquisition (renewed lease, same tokens, same
+//! waiting: no FIFO order unless the engine's fair mode is asked for) whose holder metadata
+//! records the campaign value in place of the client name (`inspect` shows it as `client`),
+//! and the leader is whoever holds the lock. Observers read it every 250 ms, so they see a
+//! change up to that much later and may miss a leader that lasted less. There is no
+//! [`Leadership::proclaim`] there ([`ErrorKind::InvalidInput`]): resign and campaign again.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -211,11 +216,20 @@ fn not_leader(name: &str, engine: &'static str) -> Error {
     .with_engine(engine)
 }
 
-pub(crate) fn unsupported(engine: &'static str) -> Error {
+pub(crate) fn no_proclaim(engine: &'static str) -> Error {
     Error::invalid(format!(
-        "elections need the etcd engine; {engine} has none (use an etcd:// backend)"
+        "proclaim needs the etcd engine; on {engine} the value is fixed at campaign time: \
+         resign and campaign again with the new value"
     ))
     .with_engine(engine)
+}
+
+/// The leader as the holder of the election's lock shows it (engines without elections).
+pub(crate) fn from_holder(h: crate::Holder) -> Leader {
+    Leader {
+        value: h.client.unwrap_or_default(),
+        token: h.token.unwrap_or(FencingToken::new(0)),
+    }
 }
 
 /// Sends `leader` to observers if it differs from what they last saw.

@@ -122,16 +122,16 @@ pub(crate) trait Engine: Send + Sync + 'static {
 
     /// The leader of the election on `name`: the campaign value and token of the grant that
     /// holds it, if any.
+    /// The default reads the holder: its client-name metadata is the campaign value.
     async fn leader(&self, name: &str) -> Result<Option<Leader>> {
-        let _ = name;
-        Err(crate::election::unsupported(self.kind()))
+        Ok(self.inspect(name).await?.map(crate::election::from_holder))
     }
 
     /// Replaces the campaign value of `owner`'s grant on `name`. `Ok(false)` when that owner
     /// no longer holds it.
     async fn proclaim(&self, name: &str, owner: &str, value: &str) -> Result<bool> {
         let _ = (name, owner, value);
-        Err(crate::election::unsupported(self.kind()))
+        Err(crate::election::no_proclaim(self.kind()))
     }
 
     /// Publishes every change of `name`'s leader on `tx` until `tx` has no receiver left.

@@ -105,13 +105,3 @@ async fn withdrawn_campaigns_leave_no_keys() {
     assert_eq!(keys.len(), 1, "{keys:?}");
     leader.resign().await.unwrap();
 }
-
-#[tokio::test]
-async fn engines_without_elections_say_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("l.db").display());
-    let client = Client::connect(&url).await.unwrap();
-    let e = client.election("x").unwrap().leader().await.unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::InvalidInput);
-    assert!(e.to_string().contains("etcd"), "{e}");
-}
