@@ -557,11 +557,10 @@ impl Engine for EtcdEngine {
         Ok(self.head(name).await?.map(|kv| leader_of(&kv)))
     }
 
-    async fn proclaim(&self, name: &str, owner: &str, value: &str) -> Result<bool> {
+    async fn proclaim(&self, _name: &str, owner: &str, value: &str) -> Result<bool> {
         let Some(s) = self.sessions().get(owner).cloned() else {
             return Ok(false);
         };
-        let _ = name;
         // As election.go's Proclaim: rewrite the leader's key only while it is still the key
         // this campaign created.
         let txn = Txn::new()
