@@ -16,6 +16,8 @@ use tokio::time::Instant;
 
 use crate::{connect, exit, fail, BackendArg, Exit};
 
+#[cfg(feature = "etcd")]
+mod etcd;
 #[cfg(feature = "postgres")]
 mod postgres;
 
@@ -73,9 +75,22 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
         "redis" | "redlock" => Some(Servers::open(&url).await?),
         _ => None,
     };
+    #[cfg(feature = "etcd")]
+    let etcd_ref = match engine {
+        "etcd" => Some(etcd::EtcdReference::open(&url, &names.base).await),
+        _ => None,
+    };
     let reference = match &servers {
         Some(s) => Reference::prepare(s).await,
         None if engine.starts_with("postgres") => Err("pgbench, measured in section 4".to_owned()),
+        #[cfg(feature = "etcd")]
+        None if engine == "etcd" => Err(match &etcd_ref {
+            Some(Ok(_)) => "etcd's own Put rate on the same cluster, measured after each \
+                            uncontended run"
+                .to_owned(),
+            Some(Err(e)) => format!("unavailable (no etcd connection: {e})"),
+            None => String::new(),
+        }),
         None => Err(format!("not applicable to the {engine} engine")),
     };
 
@@ -90,6 +105,7 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
     out.num("seconds", args.seconds as f64);
     match &reference {
         Ok(r) => out.line(format!("reference: {} against {}", r.version, r.node)),
+        Err(why) if engine == "etcd" => out.line(format!("reference: {why}")),
         Err(why) => out.line(format!("reference: unavailable ({why})")),
     }
     if let Ok(r) = &reference {
@@ -105,6 +121,8 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
         out: &mut out,
         names: &mut names,
         reference: reference.as_ref().ok(),
+        #[cfg(feature = "etcd")]
+        etcd: etcd_ref.as_ref().and_then(|r| r.as_ref().ok()),
     };
     let outcome = bench.all(args.quick, servers.as_ref()).await;
     #[cfg(feature = "postgres")]
@@ -115,6 +133,12 @@ pub async fn bench(args: BenchArgs) -> Result<u8> {
     // Clean-up runs whatever happened above, so an engine failure mid-run leaves no bench keys.
     let cleaned = match &servers {
         Some(s) => s.delete_bench_keys(&client, &names.used, &reference).await,
+        #[cfg(feature = "etcd")]
+        None if engine == "etcd" => match &etcd_ref {
+            Some(Ok(r)) => r.clean().await,
+            Some(Err(e)) => Err(format!("no reference connection: {e}")),
+            None => Ok(String::new()),
+        },
         None => Ok(format!(
             "the {engine} engine keeps a row per name with its fencing counter ({} names under \
              {}-*)",
@@ -152,6 +176,8 @@ struct Bench<'a> {
     out: &'a mut Out,
     names: &'a mut Names,
     reference: Option<&'a Reference>,
+    #[cfg(feature = "etcd")]
+    etcd: Option<&'a etcd::EtcdReference>,
 }
 
 impl Bench<'_> {
@@ -204,6 +230,12 @@ impl Bench<'_> {
                 .micros(&format!("uncontended.{key}.p99_us"), r.pair.p(99.0));
         }
 
+        #[cfg(feature = "etcd")]
+        if let Some(e) = self.etcd {
+            if !self.stop.is_set() {
+                e.report(self.out, self.dur, self.stop, &seq, &par).await;
+            }
+        }
         if self.reference.is_none() {
             return Ok(());
         }

@@ -60,6 +60,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
     };
     match &backend {
         fencelock::Backend::Sqlite { path } => sqlite(&args, path, &mut f).await?,
+        fencelock::Backend::Etcd { .. } => etcd(&args, &mut f).await,
         _ => redis_nodes(&backend, &mut f).await,
     }
     ttl_advice(&args, &mut f).await;
@@ -77,6 +78,28 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
     } else {
         0
     })
+}
+
+/// etcd: one linearizable read through the library (it needs a leader and a quorum).
+async fn etcd(args: &DoctorArgs, f: &mut Findings) {
+    let started = std::time::Instant::now();
+    // `connect` reports its own error; etcd connections are lazy, so it rarely fails here.
+    let Ok(client) = connect(&args.backend, "fencelock-doctor").await else {
+        f.unreachable += 1;
+        return;
+    };
+    match client.inspect("fencelock-doctor").await {
+        Ok(_) => f.ok(&format!(
+            "cluster answered a linearizable read in {}",
+            fencelock::display_duration(started.elapsed())
+        )),
+        Err(e) => {
+            f.unreachable += 1;
+            f.warn(&format!("unreachable: {e}"));
+        }
+    }
+    client.close().await;
+    println!("  note  tokens are etcd revisions; lease TTLs are whole seconds (rounded up)");
 }
 
 async fn sqlite(args: &DoctorArgs, path: &std::path::Path, f: &mut Findings) -> Result<()> {

@@ -11,6 +11,7 @@ mod bench;
 mod chaos;
 mod demo;
 mod doctor;
+mod elect;
 mod json;
 mod ops;
 mod run;
@@ -45,7 +46,7 @@ struct Cli {
 #[derive(Args, Debug, Clone)]
 pub struct BackendArg {
     /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3,
-    /// postgres://user@host:port/db[?mode=lease].
+    /// postgres://user@host:port/db[?mode=lease], etcd://h1:p1,h2:p2,h3:p3.
     /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
     #[arg(long, env = "FENCELOCK_URL", global = true)]
     backend: Option<String>,
@@ -58,6 +59,8 @@ pub struct BackendArg {
 enum Command {
     /// Run a command while holding a lock, like flock(1) across machines.
     Run(RunArgs),
+    /// Run a command only while leading an election, or watch who leads (best on etcd).
+    Elect(elect::ElectArgs),
     /// Print the engine keys a resource name maps to, so other tools can take the same lock.
     Key {
         /// Resource name.
@@ -112,7 +115,7 @@ pub struct RunArgs {
     /// Client name recorded with the lease (shown by `inspect`).
     #[arg(long, default_value = "fencelock-run")]
     pub client_name: String,
-    /// Wait in FIFO order behind earlier waiters (Redis engines).
+    /// Wait in FIFO order behind earlier waiters (Redis engines; etcd always does).
     #[arg(long)]
     pub fair: bool,
     /// Serve metrics in Prometheus text format on this address (e.g. 127.0.0.1:9464) while
@@ -210,6 +213,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run::run(args).await,
+            Command::Elect(args) => elect::elect(args).await,
             Command::Inspect(args) => ops::inspect(args).await,
             Command::List(args) => ops::list(args).await,
             Command::Release(args) => ops::release(args).await,

@@ -3,9 +3,10 @@
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::time::Duration;
 
 use anyhow::Result;
-use fencelock::{metrics, ErrorKind, LockOptions};
+use fencelock::{metrics, Client, ErrorKind, Lease, LockOptions};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -38,10 +39,23 @@ pub async fn run(args: RunArgs) -> Result<u8> {
         Err(e) => return Err(fail(e)),
     };
 
+    supervise(client, lease, &args.command, args.kill_after).await
+}
+
+/// Runs `command` under `lease` (`FENCELOCK_TOKEN`, `FENCELOCK_RESOURCE`, `FENCELOCK_OWNER`
+/// set) in its own process group, forwarding SIGINT and SIGTERM. When the lease is lost, the
+/// command gets SIGTERM, then SIGKILL after `kill_after`, and the exit code is 79; otherwise
+/// the lease is released when the command ends and its status is returned.
+pub async fn supervise(
+    client: Client,
+    lease: Lease,
+    command: &[String],
+    kill_after: Duration,
+) -> Result<u8> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
-    let mut child = match Command::new(&args.command[0])
-        .args(&args.command[1..])
+    let mut child = match Command::new(&command[0])
+        .args(&command[1..])
         .env("FENCELOCK_TOKEN", lease.token().to_string())
         .env("FENCELOCK_RESOURCE", lease.resource())
         .env("FENCELOCK_OWNER", lease.owner())
@@ -51,7 +65,7 @@ pub async fn run(args: RunArgs) -> Result<u8> {
     {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("fencelock: cannot start {:?}: {e}", args.command[0]);
+            eprintln!("fencelock: cannot start {:?}: {e}", command[0]);
             let _ = lease.release().await;
             client.close().await;
             return Ok(if e.kind() == std::io::ErrorKind::NotFound {
@@ -74,7 +88,7 @@ pub async fn run(args: RunArgs) -> Result<u8> {
                     "fencelock: {}; terminating the command",
                     e.map(|e| e.to_string()).unwrap_or_else(|| "lease lost".into())
                 );
-                terminate(&mut child, pgid, args.kill_after).await;
+                terminate(&mut child, pgid, kill_after).await;
                 client.close().await;
                 return Ok(exit::LEASE_LOST);
             }
@@ -89,7 +103,7 @@ pub async fn run(args: RunArgs) -> Result<u8> {
 
 /// Serves the process's metrics in Prometheus text format on `addr` (any path) until exit.
 /// Histograms get buckets, not summaries, so quantiles can be aggregated across processes.
-fn serve_metrics(addr: SocketAddr) -> Result<()> {
+pub fn serve_metrics(addr: SocketAddr) -> Result<()> {
     PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(
@@ -119,7 +133,7 @@ fn forward(pgid: Option<Pid>, sig: Signal) {
 
 /// SIGTERM to the command's group, SIGKILL after the grace period. SIGCONT follows SIGTERM
 /// because a stopped process would otherwise never act on it.
-async fn terminate(child: &mut Child, pgid: Option<Pid>, grace: std::time::Duration) {
+async fn terminate(child: &mut Child, pgid: Option<Pid>, grace: Duration) {
     forward(pgid, Signal::SIGTERM);
     forward(pgid, Signal::SIGCONT);
     if tokio::time::timeout(grace, child.wait()).await.is_err() {

@@ -8,22 +8,26 @@
 //! ([`RedisServer::pause`]) and amnesia ([`RedisServer::restart`]).
 //! [`PgServer`] does the same for PostgreSQL, whose restart is a crash and a
 //! recovery that keeps committed data, and [`PgBouncer`] puts a transaction
-//! pooler in front of one.
+//! pooler in front of one. [`EtcdCluster`] starts an N-member etcd cluster with
+//! members that can be killed, restarted and paused one by one.
 //!
 //! Nothing is installed: the binaries must already be present (on Debian,
 //! `apt-get install redis-server postgresql`), or be named by the
 //! `FENCELOCK_REDIS_SERVER` and `FENCELOCK_REDIS_CLI` environment variables and
-//! `FENCELOCK_PG_BINDIR` (the directory holding `initdb`, `postgres`, `psql`).
+//! `FENCELOCK_PG_BINDIR` (the directory holding `initdb`, `postgres`, `psql`),
+//! `FENCELOCK_ETCD` and `FENCELOCK_ETCDCTL`.
 
 #![deny(missing_docs)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod etcd;
 mod postgres;
 mod redis;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
+pub use etcd::{EtcdCluster, EtcdTls};
 pub use postgres::{PgBouncer, PgServer};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 

@@ -40,6 +40,23 @@ pub enum Backend {
         /// for wake-up notifications, the others carry the leases.
         pool: usize,
     },
+    /// `etcd://h1:p1,h2:p2,...` and `etcds://...` (TLS): one etcd cluster.
+    Etcd {
+        /// `etcds://`.
+        tls: bool,
+        /// The client endpoints, in URL order (port 2379 when omitted).
+        endpoints: Vec<RedisNode>,
+        /// User name, if any.
+        user: Option<String>,
+        /// Password, if any (decoded).
+        password: Option<String>,
+        /// `?ca=PATH`: the CA certificate (PEM) that signed the servers' certificates.
+        ca: Option<PathBuf>,
+        /// `?cert=PATH`: the client certificate (PEM), for servers with `--client-cert-auth`.
+        cert: Option<PathBuf>,
+        /// `?key=PATH`: the client certificate's private key (PEM).
+        key: Option<PathBuf>,
+    },
 }
 
 /// How the PostgreSQL engine keeps locks.
@@ -98,6 +115,7 @@ impl Backend {
                 mode: PgMode::Lease,
                 ..
             } => "postgres-lease",
+            Backend::Etcd { .. } => "etcd",
         }
     }
 
@@ -173,7 +191,7 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://, postgres://";
+const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://, postgres://, etcd://, etcds://";
 
 pub(crate) fn parse(url: &str) -> Result<Backend> {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -186,6 +204,7 @@ pub(crate) fn parse(url: &str) -> Result<Backend> {
         "sqlite" => parse_sqlite(rest),
         "redis" | "rediss" | "redlock" => parse_redis(scheme, rest),
         "postgres" | "postgresql" => parse_postgres(scheme, rest),
+        "etcd" | "etcds" => crate::backend_etcd::parse_etcd(scheme, rest),
         other => Err(Error::invalid(format!(
             "unknown backend scheme {other:?}; use one of {SCHEMES}"
         ))),
@@ -211,7 +230,7 @@ fn parse_sqlite(rest: &str) -> Result<Backend> {
     Ok(Backend::Sqlite { path })
 }
 
-fn decode(part: &str, what: &str) -> Result<String> {
+pub(crate) fn decode(part: &str, what: &str) -> Result<String> {
     percent_encoding::percent_decode_str(part)
         .decode_utf8()
         .map(|s| s.into_owned())
@@ -328,7 +347,11 @@ fn parse_postgres(scheme: &str, rest: &str) -> Result<Backend> {
     Ok(Backend::Postgres { url, mode, pool })
 }
 
-fn parse_host_port(s: &str) -> Result<RedisNode> {
+pub(crate) fn parse_host_port(s: &str) -> Result<RedisNode> {
+    parse_host_port_or(s, 6379)
+}
+
+pub(crate) fn parse_host_port_or(s: &str, default_port: u16) -> Result<RedisNode> {
     let (host, port) = match s.rsplit_once(':') {
         Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (h, Some(p)),
         _ => (s, None),
@@ -340,7 +363,7 @@ fn parse_host_port(s: &str) -> Result<RedisNode> {
         )));
     }
     let port = match port {
-        None => 6379,
+        None => default_port,
         Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
             Error::invalid(format!("node {s:?} in the backend URL has an invalid port"))
         })?,

@@ -138,6 +138,12 @@ async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Eng
                 "this build of fencelock lacks the `postgres` feature",
             ))
         }
+        #[cfg(feature = "etcd")]
+        Backend::Etcd { .. } => crate::etcd::open(backend, cfg).await,
+        #[cfg(not(feature = "etcd"))]
+        Backend::Etcd { .. } => Err(Error::invalid(
+            "this build of fencelock lacks the `etcd` feature",
+        )),
     }
 }
 
@@ -182,14 +188,15 @@ impl Client {
     /// attempt whose answer had not arrived is released (owner-checked) in the background;
     /// [`Client::close`] waits for that clean-up.
     pub async fn acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
-        self.acquire_within(name, opts, opts.wait_value()).await
+        self.acquire_within(name, opts, opts.wait_value(), None)
+            .await
     }
 
     /// One attempt to acquire `name`, whatever `opts.wait` says. Fails with
     /// [`ErrorKind::HeldByAnother`], carrying the holder, when the lock is held. Cancel safe as
     /// [`Client::acquire`].
     pub async fn try_acquire(&self, name: &str, opts: &LockOptions) -> Result<Lease> {
-        self.acquire_within(name, opts, Duration::ZERO).await
+        self.acquire_within(name, opts, Duration::ZERO, None).await
     }
 
     /// The current holder of `name`, if the lock is held.
@@ -214,11 +221,12 @@ impl Client {
         self.inner.call(name, self.inner.op_timeout, fut).await
     }
 
-    async fn acquire_within(
+    pub(crate) async fn acquire_within(
         &self,
         name: &str,
         opts: &LockOptions,
         wait: Duration,
+        campaign: Option<&str>,
     ) -> Result<Lease> {
         let span = tracing::debug_span!(
             "acquire",
@@ -228,7 +236,7 @@ impl Client {
         );
         let started = Instant::now();
         let result = self
-            .acquire_loop(name, opts, wait)
+            .acquire_loop(name, opts, wait, campaign)
             .instrument(span.clone())
             .await;
         let outcome = crate::metrics::acquire_finished(
@@ -241,7 +249,13 @@ impl Client {
         result
     }
 
-    async fn acquire_loop(&self, name: &str, opts: &LockOptions, wait: Duration) -> Result<Lease> {
+    async fn acquire_loop(
+        &self,
+        name: &str,
+        opts: &LockOptions,
+        wait: Duration,
+        campaign: Option<&str>,
+    ) -> Result<Lease> {
         validate_name(name)?;
         opts.validate(self.inner.max_ttl)?;
         let inner = &self.inner;
@@ -252,7 +266,16 @@ impl Client {
             name: name.to_owned(),
             owner: format!("{:032x}", rand::random::<u128>()),
             ttl,
-            meta: inner.meta.clone(),
+            // Engines without elections of their own keep the campaign value with the holder,
+            // as its client name (see `election`).
+            meta: match campaign {
+                Some(value) => HolderMeta {
+                    client: value.to_owned(),
+                    ..inner.meta.clone()
+                },
+                None => inner.meta.clone(),
+            },
+            campaign: campaign.map(str::to_owned),
             fair: opts
                 .fair_value()
                 .then(|| max_backoff * 4 + inner.op_timeout),
@@ -263,6 +286,9 @@ impl Client {
             owner: req.owner.clone(),
             armed: false,
         };
+        if inner.engine.queues_waiters() {
+            return self.acquire_in_queue(&req, &mut pending, wait, opts).await;
+        }
         let deadline = Instant::now() + wait;
         let call_timeout = inner.op_timeout.min(ttl);
         let mut backoff = min_backoff;
@@ -383,6 +409,88 @@ impl Client {
                 None => tokio::time::sleep(pause).await,
             }
         }
+    }
+}
+
+impl Client {
+    /// The acquisition loop of an engine that queues waiters itself (etcd): one call that
+    /// enqueues and waits for the head of the queue. `pending` stays armed throughout, so a
+    /// dropped future, a timeout or an error removes the queue entry.
+    async fn acquire_in_queue(
+        &self,
+        req: &AcquireRequest,
+        pending: &mut Pending,
+        wait: Duration,
+        opts: &LockOptions,
+    ) -> Result<Lease> {
+        let inner = &self.inner;
+        let (name, ttl, engine) = (req.name.as_str(), req.ttl, inner.engine.kind());
+        let deadline = Instant::now() + wait;
+        let (mut backoff, max_backoff) = opts.backoff_bounds();
+        let (token, since) = loop {
+            pending.armed = true;
+            let left = deadline.saturating_duration_since(Instant::now());
+            // The engine bounds each of its own calls; this bounds the whole wait plus the
+            // calls around it (enqueue, confirm).
+            let limit = left + inner.op_timeout * 3;
+            let outcome = inner
+                .call(name, limit, inner.engine.acquire_queued(req, left))
+                .await;
+            match outcome {
+                Ok((Attempt::Granted(token), since)) => break (token, since),
+                Ok((Attempt::Held { holder, .. }, _)) => {
+                    pending.release_now().await;
+                    return Err(if wait.is_zero() {
+                        Error::held(name, engine, holder)
+                    } else {
+                        Error::timed_out(name, engine, wait, holder)
+                    });
+                }
+                // An engine failure (no leader for a moment, a member going down) leaves the
+                // queue and joins it again at the back, while the wait lasts.
+                Err(e) if e.kind() == ErrorKind::Engine && Instant::now() < deadline => {
+                    pending.release_now().await;
+                    tracing::debug!(error = %e, "queued acquisition failed; retrying");
+                    let pause = rand::thread_rng().gen_range(backoff / 2..=backoff);
+                    tokio::time::sleep(
+                        pause.min(deadline.saturating_duration_since(Instant::now())),
+                    )
+                    .await;
+                    backoff = (backoff * 2).min(max_backoff);
+                }
+                Err(e) => {
+                    pending.release_now().await;
+                    return Err(e);
+                }
+            }
+        };
+        let elapsed = since.elapsed();
+        let Some(v) = validity(ttl, elapsed).filter(|v| usable(ttl, *v)) else {
+            pending.release_now().await;
+            return Err(Error::engine_failure(
+                engine,
+                format!(
+                    "the grant took {} of a {} TTL, leaving no useful validity; use a longer TTL",
+                    display_duration(elapsed),
+                    display_duration(ttl)
+                ),
+            )
+            .with_resource(name));
+        };
+        pending.armed = false;
+        let state = Arc::new(LeaseState::new(
+            inner.next_id.fetch_add(1, Ordering::Relaxed),
+            name.to_owned(),
+            req.owner.clone(),
+            token,
+            ttl,
+            since + v,
+            engine,
+        ));
+        inner
+            .watchdog
+            .register(state.clone(), opts.auto_renew_value());
+        Ok(Lease::new(state, inner.clone()))
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::election::Leader;
 use crate::error::Result;
 use crate::holder::{Holder, HolderMeta};
 use crate::runbook::{AuditRecord, HeldLock};
@@ -31,6 +32,10 @@ pub(crate) struct AcquireRequest {
     pub owner: String,
     pub ttl: Duration,
     pub meta: HolderMeta,
+    /// An election campaign's value, kept with the grant where the holder metadata would be
+    /// (engines with elections) so that observers read it as the leader's value.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub campaign: Option<String>,
     /// FIFO mode: queue behind earlier waiters; the waiter entry lives this long unless the
     /// waiter tries again.
     pub fair: Option<Duration>,
@@ -86,7 +91,10 @@ pub(crate) enum Renewed {
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
     /// Neither confirmed nor refused (a quorum engine reached too few nodes): a failed renewal.
-    #[cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "redis", feature = "postgres", feature = "etcd")),
+        allow(dead_code)
+    )]
     Unconfirmed,
 }
 
@@ -97,6 +105,64 @@ pub(crate) trait Engine: Send + Sync + 'static {
 
     /// One attempt, atomically taking the lock and advancing the fencing counter.
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt>;
+
+    /// Whether the engine keeps its own FIFO queue of waiters and waits in it
+    /// ([`Engine::acquire_queued`]), instead of the client retrying [`Engine::try_acquire`].
+    fn queues_waiters(&self) -> bool {
+        false
+    }
+
+    /// Engine-native queued acquisition: enqueue `req` and wait up to `wait` to reach the head
+    /// of the queue. Returns the outcome and the instant the grant's validity counts from.
+    /// Whatever the outcome, and if the future is dropped, the queue entry may remain until
+    /// the caller releases `req.owner`; the client does so unless the outcome is a grant.
+    async fn acquire_queued(
+        &self,
+        req: &AcquireRequest,
+        wait: Duration,
+    ) -> Result<(Attempt, tokio::time::Instant)> {
+        let _ = wait;
+        let started = tokio::time::Instant::now();
+        Ok((self.try_acquire(req).await?, started))
+    }
+
+    /// The leader of the election on `name`: the campaign value and token of the grant that
+    /// holds it, if any.
+    /// The default reads the holder: its client-name metadata is the campaign value.
+    async fn leader(&self, name: &str) -> Result<Option<Leader>> {
+        Ok(self.inspect(name).await?.map(crate::election::from_holder))
+    }
+
+    /// Replaces the campaign value of `owner`'s grant on `name`. `Ok(false)` when that owner
+    /// no longer holds it.
+    async fn proclaim(&self, name: &str, owner: &str, value: &str) -> Result<bool> {
+        let _ = (name, owner, value);
+        Err(crate::election::no_proclaim(self.kind()))
+    }
+
+    /// Publishes every change of `name`'s leader on `tx` until `tx` has no receiver left.
+    /// The default reads the leader every `poll`; engines with change notifications do better.
+    async fn observe(
+        &self,
+        name: &str,
+        tx: &tokio::sync::watch::Sender<Option<Leader>>,
+        poll: Duration,
+    ) {
+        loop {
+            let step = async {
+                match tokio::time::timeout(poll, self.leader(name)).await {
+                    Ok(Ok(leader)) => crate::election::publish(tx, leader),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "reading the leader failed"),
+                    Err(_) => tracing::debug!("reading the leader timed out"),
+                }
+                tokio::time::sleep(poll).await;
+            };
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = step => {}
+            }
+        }
+    }
 
     /// Owner-checked renewal of many leases in as few server calls as the engine allows (one
     /// per node). The answer has one entry per renewal, in order.

@@ -28,7 +28,7 @@
 //! - **clients**: [`Client`], [`ClientBuilder`], [`LockOptions`], [`Lease`] (the lost signal,
 //!   `run`, `extend`, `release`) and the watchdog that renews leases;
 //! - **lock servers**: one module per engine behind a cargo feature (`sqlite`, on by default;
-//!   `redis`; `postgres`: advisory locks, or a lease table with `?mode=lease`), each
+//!   `redis`; `postgres`: advisory locks, or a lease table with `?mode=lease`; `etcd`), each
 //!   implementing one small internal trait;
 //! - **fencing tokens**: [`FencingToken`], advanced by the engine atomically with every grant;
 //! - **the protected resource**: [`fence`], guards that reject stale tokens: in memory, in
@@ -38,6 +38,8 @@
 //! - **no lock at all**: with the `postgres` feature, `fencelock::pg` offers what the database does by
 //!   itself: claiming jobs with `FOR UPDATE SKIP LOCKED`, optimistic updates by version, and
 //!   idempotency keys on a unique constraint.
+//! - **leader election**: [`Election`] (campaign, observe, proclaim, resign) on top of the
+//!   same leases, with the leader's fencing token; on etcd interoperable with `etcdctl elect`.
 //! - **operations**: the [stuck-lock runbook](#stuck-lock-runbook): [`Holder::assess`],
 //!   [`Client::list`], [`Client::force_release`] and its audit log, [`Client::audit`].
 //!
@@ -48,6 +50,7 @@
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
 //! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
+//! | `etcd://[user:pass@]h1:p1,h2:p2,...`, `etcds://...?ca=PATH&cert=PATH&key=PATH` | one etcd cluster (feature `etcd`) |
 //!
 //! # Validity
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
@@ -96,7 +99,9 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod backend;
+mod backend_etcd;
 mod client;
+mod election;
 mod engine;
 mod error;
 pub mod fence;
@@ -125,8 +130,13 @@ mod postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod pg;
 
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+mod etcd;
+
 pub use backend::{default_sqlite_path, default_url, redact_url, Backend, PgMode, RedisNode};
 pub use client::{Client, ClientBuilder, DEFAULT_PREFIX};
+pub use election::{Election, Leader, Leadership, MAX_VALUE_BYTES};
 pub use error::{Error, ErrorKind, Result};
 pub use holder::Holder;
 pub use lease::{Lease, LostSignal};

@@ -650,6 +650,7 @@ mod engine_tests {
             owner: owner.into(),
             ttl: Duration::from_secs(60),
             meta: HolderMeta::current("holder".into()),
+            campaign: None,
             fair: None,
         };
         match engine.try_acquire(&req).await.unwrap() {

@@ -1,0 +1,143 @@
+//! `etcd://` and `etcds://` URLs: `etcd[s]://[user:password@]h1:p1[,h2:p2...][?ca=PATH&cert=PATH&key=PATH]`.
+
+use std::path::PathBuf;
+
+use crate::backend::{decode, parse_host_port_or, Backend};
+use crate::error::{Error, Result};
+
+/// etcd's client port, used for endpoints written without one.
+const DEFAULT_PORT: u16 = 2379;
+
+pub(crate) fn parse_etcd(scheme: &str, rest: &str) -> Result<Backend> {
+    let (main, query) = match rest.split_once('?') {
+        Some((m, q)) => (m, Some(q)),
+        None => (rest, None),
+    };
+    let authority = main.strip_suffix('/').unwrap_or(main);
+    if authority.contains('/') {
+        return Err(Error::invalid(
+            "an etcd URL has no path; write etcd://host:port[,host:port...]",
+        ));
+    }
+    let (creds, hosts) = match authority.rsplit_once('@') {
+        Some((c, h)) => (Some(c), h),
+        None => (None, authority),
+    };
+    let (user, password) = match creds {
+        None => (None, None),
+        Some(c) => match c.split_once(':') {
+            Some((u, p)) if !u.is_empty() => {
+                (Some(decode(u, "user name")?), Some(decode(p, "password")?))
+            }
+            _ => return Err(Error::invalid(
+                "etcd authenticates a user with a password: write etcd://user:password@host:port",
+            )),
+        },
+    };
+    let endpoints = hosts
+        .split(',')
+        .map(|h| parse_host_port_or(h, DEFAULT_PORT))
+        .collect::<Result<Vec<_>>>()?;
+    let (mut ca, mut cert, mut key) = (None, None, None);
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let path = PathBuf::from(decode(v, "TLS file path")?);
+        if v.is_empty() {
+            return Err(Error::invalid(format!(
+                "the etcd URL option {k:?} needs a file path"
+            )));
+        }
+        let slot = match k {
+            "ca" => &mut ca,
+            "cert" => &mut cert,
+            "key" => &mut key,
+            other => {
+                return Err(Error::invalid(format!(
+                    "unknown etcd URL option {other:?}; the options are ca, cert and key"
+                )))
+            }
+        };
+        *slot = Some(path);
+    }
+    let tls = scheme == "etcds";
+    if !tls && (ca.is_some() || cert.is_some() || key.is_some()) {
+        return Err(Error::invalid(
+            "ca, cert and key are TLS options: use etcds:// to connect over TLS",
+        ));
+    }
+    if cert.is_some() != key.is_some() {
+        return Err(Error::invalid(
+            "a client certificate needs its key and a key its certificate: give both cert and key",
+        ));
+    }
+    Ok(Backend::Etcd {
+        tls,
+        endpoints,
+        user,
+        password,
+        ca,
+        cert,
+        key,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::parse;
+    use crate::ErrorKind;
+
+    #[test]
+    fn etcd_urls() {
+        let Ok(Backend::Etcd {
+            tls,
+            endpoints,
+            user,
+            password,
+            ca,
+            cert,
+            key,
+        }) = parse(
+            "etcds://app:p%40ss@127.0.0.1:2381,h2,[::1]:7?ca=/ca.pem&cert=/c.pem&key=/k%20.pem",
+        )
+        else {
+            unreachable!("parse failed")
+        };
+        assert!(tls);
+        assert_eq!(
+            endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["127.0.0.1:2381", "h2:2379", "[::1]:7"]
+        );
+        assert_eq!(
+            (user.as_deref(), password.as_deref()),
+            (Some("app"), Some("p@ss"))
+        );
+        assert_eq!(ca, Some("/ca.pem".into()));
+        assert_eq!(cert, Some("/c.pem".into()));
+        assert_eq!(key, Some("/k .pem".into()));
+        assert!(matches!(
+            parse("etcd://a:1/"),
+            Ok(Backend::Etcd { tls: false, .. })
+        ));
+    }
+
+    #[test]
+    fn bad_etcd_urls_are_invalid_input() {
+        for url in [
+            "etcd://",
+            "etcd://a:0",
+            "etcd://a:1/x",
+            "etcd://secret@a:1",
+            "etcd://a:1?ca=/x",
+            "etcds://a:1?cert=/c",
+            "etcds://a:1?pin=/c",
+            "etcds://a:1?ca=",
+        ] {
+            let e = parse(url).expect_err(url);
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{url}");
+        }
+    }
+}

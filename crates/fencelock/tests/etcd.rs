@@ -1,0 +1,467 @@
+//! The etcd engine against a real 3-member etcd cluster on loopback.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::Child;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
+
+use fencelock::{Client, ErrorKind, ForceRelease, LockOptions};
+use fencelock_testkit::{wait_until, EtcdCluster, EtcdTls};
+use tokio::time::{timeout, Instant};
+
+fn cluster() -> EtcdCluster {
+    EtcdCluster::start(3).unwrap()
+}
+
+/// Every key under the default etcd prefix, in key order.
+fn keys(c: &EtcdCluster) -> Vec<String> {
+    let out = c
+        .ctl(&["get", "/fencelock/v1/", "--prefix", "--keys-only"])
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn waiter_keys(c: &EtcdCluster, name: &str) -> Vec<String> {
+    let pfx = format!("/fencelock/v1/{name}/");
+    keys(c)
+        .into_iter()
+        .filter(|k| k.starts_with(&pfx))
+        .collect()
+}
+
+/// The first line a child prints on stdout, read on a thread, within `limit`.
+fn first_line(child: &mut Child, limit: Duration) -> Option<String> {
+    let stdout = child.stdout.take()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    rx.recv_timeout(limit)
+        .ok()
+        .filter(|l| !l.is_empty())
+        .map(|l| l.trim().to_owned())
+}
+
+fn end(mut child: Child) {
+    // SIGTERM lets etcdctl close its session (revoking its lease) as an operator's Ctrl-C would.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_under_many_clients() {
+    let c = cluster();
+    check_mutual_exclusion(&c.url(), 12, 8).await;
+}
+
+#[tokio::test]
+async fn stale_owner_cannot_touch_successor() {
+    let c = cluster();
+    check_stale_owner(&c.url()).await;
+}
+
+#[tokio::test]
+async fn watchdog_keeps_the_session_alive() {
+    let c = cluster();
+    check_watchdog(&c.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_are_granted_in_fifo_order() {
+    let c = cluster();
+    let holder = connect(&c.url()).await;
+    let first = holder
+        .try_acquire("q", &LockOptions::default())
+        .await
+        .unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let client = connect(&c.url()).await;
+        let order = order.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default().wait(Duration::from_secs(20));
+            let lease = client.acquire("q", &opts).await.unwrap();
+            order.lock().unwrap().push((i, lease.token().get()));
+            lease.release().await.unwrap();
+        }));
+        // The next waiter starts only once this one is in the queue.
+        assert!(wait_until(Duration::from_secs(5), || waiter_keys(&c, "q")
+            .len()
+            == i + 2));
+    }
+    let first_token = first.token().get();
+    first.release().await.unwrap();
+    for t in tasks {
+        timeout(Duration::from_secs(20), t).await.unwrap().unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4],
+        "{order:?}"
+    );
+    assert!(order.windows(2).all(|w| w[0].1 < w[1].1), "{order:?}");
+    assert!(order[0].1 > first_token);
+}
+
+#[tokio::test]
+async fn cancelled_and_timed_out_acquires_leave_no_keys() {
+    let c = cluster();
+    let holder = connect(&c.url()).await;
+    let waiter = connect(&c.url()).await;
+    let lease = holder
+        .try_acquire("c", &LockOptions::default())
+        .await
+        .unwrap();
+    // Dropped mid-wait.
+    let long = LockOptions::default().wait(Duration::from_secs(30));
+    assert!(
+        timeout(Duration::from_millis(500), waiter.acquire("c", &long))
+            .await
+            .is_err()
+    );
+    // Timed out.
+    let e = waiter
+        .acquire(
+            "c",
+            &LockOptions::default().wait(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut);
+    assert_eq!(e.holder().map(|h| h.owner.as_str()), Some(lease.owner()));
+    // Refused at once.
+    let e = waiter
+        .try_acquire("c", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    // Dropped at every early point of the enqueue too.
+    for ms in [0, 1, 2, 3, 5, 8] {
+        let _ = timeout(Duration::from_millis(ms), waiter.acquire("c", &long)).await;
+    }
+    timeout(Duration::from_secs(10), waiter.close())
+        .await
+        .unwrap();
+    assert_eq!(waiter_keys(&c, "c").len(), 1, "{:?}", keys(&c));
+    lease.release().await.unwrap();
+    assert!(keys(&c).is_empty(), "{:?}", keys(&c));
+}
+
+#[tokio::test]
+async fn names_map_to_disjoint_prefixes_and_key_prints_them() {
+    let c = cluster();
+    let client = connect(&c.url()).await;
+    let keys_for = client.keys_for("a/b").unwrap();
+    assert_eq!(keys_for[0].1, "/fencelock/v1/a%2Fb");
+    // `a` and `a/b` are different locks, both holdable at once.
+    let a = client
+        .try_acquire("a", &LockOptions::default())
+        .await
+        .unwrap();
+    let ab = client
+        .try_acquire("a/b", &LockOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(waiter_keys(&c, "a").len(), 1);
+    a.release().await.unwrap();
+    ab.release().await.unwrap();
+    let custom = Client::builder(c.url())
+        .prefix("/app/locks/")
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(custom.keys_for("x").unwrap()[0].1, "/app/locks/x");
+}
+
+#[tokio::test]
+async fn etcdctl_lock_and_fencelock_exclude_each_other() {
+    let c = cluster();
+    let client = connect(&c.url()).await;
+    let name = client.keys_for("shared").unwrap()[0].1.clone();
+
+    // etcdctl holds: fencelock is refused, names the holder by its lease, and gets the lock
+    // once etcdctl lets go.
+    let mut ctl = c.ctl_command(&["lock", &name]).spawn().unwrap();
+    let key = first_line(&mut ctl, Duration::from_secs(10)).expect("etcdctl lock printed its key");
+    assert!(key.starts_with(&format!("{name}/")), "{key}");
+    let e = client
+        .try_acquire("shared", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
+    assert!(e.holder().unwrap().owner.starts_with("etcd lease "), "{e}");
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .acquire(
+                    "shared",
+                    &LockOptions::default().wait(Duration::from_secs(15)),
+                )
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "granted while etcdctl held the lock"
+    );
+    end(ctl);
+    let lease = timeout(Duration::from_secs(10), waiting)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+
+    // fencelock holds: etcdctl waits until the release.
+    let mut ctl = c.ctl_command(&["lock", &name]).spawn().unwrap();
+    let stdout = ctl.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(700)).is_err(),
+        "etcdctl lock got the lock while fencelock held it"
+    );
+    let released = Instant::now();
+    lease.release().await.unwrap();
+    let line = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(line.starts_with(&format!("{name}/")), "{line}");
+    assert!(released.elapsed() < Duration::from_secs(5));
+    end(ctl);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn locking_continues_when_members_die_and_tokens_keep_rising() {
+    let mut c = cluster();
+    let url = c.url();
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let client = Client::builder(url.clone())
+            .op_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .unwrap();
+        let tokens = tokens.clone();
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let opts = LockOptions::default()
+                .ttl(Duration::from_secs(3))
+                .wait(Duration::from_secs(10));
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match client.acquire("k", &opts).await {
+                    Ok(lease) => {
+                        tokens.lock().unwrap().push(lease.token().get());
+                        // A release caught by the crash may go unanswered; the session then
+                        // expires on its own.
+                        let _ = lease.release().await;
+                    }
+                    // A call caught by the crash fails with a clear engine error; the next
+                    // one goes to a live member.
+                    Err(e) => assert_eq!(e.kind(), ErrorKind::Engine, "{e}"),
+                }
+            }
+        }));
+    }
+    let count = || tokens.lock().unwrap().len();
+    assert!(wait_until(Duration::from_secs(10), || count() >= 20));
+    let leader = c.leader().unwrap();
+    c.kill(leader);
+    let at_kill = count();
+    assert!(
+        wait_until(Duration::from_secs(20), || count() >= at_kill + 30),
+        "locking stalled after the leader died: {} grants",
+        count() - at_kill
+    );
+    c.restart(leader).unwrap();
+    let other = (leader + 1) % 3;
+    c.kill(other);
+    let at_kill = count();
+    assert!(wait_until(Duration::from_secs(20), || count() >= at_kill + 30));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for t in tasks {
+        timeout(Duration::from_secs(30), t).await.unwrap().unwrap();
+    }
+    let tokens = tokens.lock().unwrap().clone();
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens not strictly increasing in grant order"
+    );
+}
+
+#[tokio::test]
+async fn lost_quorum_is_a_lost_lease_never_silently_regained() {
+    let c = cluster();
+    let client = Client::builder(c.url())
+        .op_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(1);
+    let lease = client
+        .try_acquire("p", &LockOptions::default().ttl(ttl))
+        .await
+        .unwrap();
+    // Two of three members frozen: no keep-alive can be confirmed any more.
+    let leader = c.leader().unwrap();
+    let frozen = [leader, (leader + 1) % 3];
+    for i in frozen {
+        c.pause(i).unwrap();
+    }
+    let paused = Instant::now();
+    timeout(ttl + Duration::from_millis(500), lease.lost())
+        .await
+        .expect("lease reported lost within its TTL");
+    assert!(paused.elapsed() <= ttl + Duration::from_millis(100));
+    for i in frozen {
+        c.resume(i).unwrap();
+    }
+    // The cluster is back; the lease stays lost, and extending it says so.
+    assert_eq!(
+        lease.extend().await.unwrap_err().kind(),
+        ErrorKind::LeaseLost
+    );
+    assert!(lease.is_lost());
+    let other = connect(&c.url()).await;
+    let next = other
+        .acquire("p", &LockOptions::default().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(next.token() > lease.token());
+    assert!(lease.is_lost());
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn runbook_inspects_lists_and_force_releases_with_an_audit_record() {
+    let c = cluster();
+    let holder = connect(&c.url()).await;
+    let op = connect(&c.url()).await;
+    let lease = holder
+        .try_acquire(
+            "jobs/nightly",
+            &LockOptions::default().ttl(Duration::from_secs(3)),
+        )
+        .await
+        .unwrap();
+    let h = op.inspect("jobs/nightly").await.unwrap().unwrap();
+    assert_eq!(h.owner, lease.owner());
+    assert_eq!(h.token, Some(lease.token()));
+    assert_eq!(h.pid, Some(std::process::id()));
+    assert!(h.ttl_left.is_some() && h.ttl == Some(Duration::from_secs(3)));
+    let listed = op.list("jobs/").await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].resource, "jobs/nightly");
+
+    let req = ForceRelease::new("test").holder_is_dead(true);
+    let record = op
+        .force_release("jobs/nightly", &req)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(record.counter > lease.token());
+    assert_eq!(record.holder.owner, lease.owner());
+    // The old holder learns at its next renewal, within a TTL.
+    timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
+    let next = op
+        .try_acquire("jobs/nightly", &LockOptions::default())
+        .await
+        .unwrap();
+    assert!(next.token() > record.counter);
+    let audit = op.audit(Some("jobs/nightly")).await.unwrap();
+    assert_eq!(audit.len(), 1);
+    assert_eq!(audit[0].counter, record.counter);
+    assert_eq!(audit[0].reason, "test");
+    assert!(op
+        .list("")
+        .await
+        .unwrap()
+        .iter()
+        .all(|l| l.resource == "jobs/nightly"));
+    next.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn unreachable_cluster_is_a_clear_engine_error() {
+    let port = fencelock_testkit::free_port();
+    let client = Client::builder(format!("etcd://127.0.0.1:{port}"))
+        .op_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let e = client
+        .try_acquire("x", &LockOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_the_ca_and_a_client_certificate() {
+    let certs = tempfile::tempdir().unwrap();
+    let tls = EtcdTls::generate(certs.path()).unwrap();
+    let c = EtcdCluster::start_tls(1, &tls).unwrap();
+    assert!(c.url().starts_with("etcds://"));
+    let client = connect(&c.url()).await;
+    let lease = client
+        .try_acquire("tls", &LockOptions::default())
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+
+    // No client certificate: the server refuses the handshake.
+    let ep = c.endpoints().join(",");
+    let no_cert = format!("etcds://{ep}?ca={}", tls.ca.display());
+    // A CA that did not sign the server's certificate: the client refuses the server.
+    let other = tempfile::tempdir().unwrap();
+    let other = EtcdTls::generate(other.path()).unwrap();
+    let wrong_ca = format!(
+        "etcds://{ep}?ca={}&cert={}&key={}",
+        other.ca.display(),
+        tls.client_cert.display(),
+        tls.client_key.display()
+    );
+    for url in [no_cert, wrong_ca, format!("etcd://{ep}")] {
+        let client = Client::builder(&url)
+            .op_timeout(Duration::from_millis(500))
+            .connect()
+            .await;
+        let e = match client {
+            Ok(client) => client
+                .try_acquire("tls", &LockOptions::default())
+                .await
+                .unwrap_err(),
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), ErrorKind::Engine, "{url}: {e}");
+    }
+    // A missing file is the caller's mistake.
+    let e = Client::connect(&format!("etcds://{ep}?ca=/nonexistent/ca.pem"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+}
