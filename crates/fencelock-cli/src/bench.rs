@@ -18,6 +18,8 @@ use crate::{connect, exit, fail, BackendArg, Exit};
 
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "redis")]
+mod floor;
 #[cfg(feature = "postgres")]
 mod postgres;
 
@@ -182,7 +184,7 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     async fn all(&mut self, quick: bool, servers: Option<&Servers>) -> Result<()> {
-        self.uncontended().await?;
+        self.uncontended(servers).await?;
         if !self.stop.is_set() {
             self.contention(servers).await?;
         }
@@ -192,7 +194,7 @@ impl Bench<'_> {
         Ok(())
     }
 
-    async fn uncontended(&mut self) -> Result<()> {
+    async fn uncontended(&mut self, servers: Option<&Servers>) -> Result<()> {
         self.out.line(String::new());
         self.out
             .line("== 1. uncontended acquire+release (try_acquire + release, TTL 30 s) ==");
@@ -278,6 +280,38 @@ impl Bench<'_> {
                 Some(ratio >= limit),
             );
         }
+        #[cfg(feature = "redis")]
+        if let (Some(conn), false) = (servers.and_then(|s| s.conns.first()), self.stop.is_set()) {
+            match floor::measure(conn, self.dur, self.stop).await {
+                Ok(f) => {
+                    // Each rate also as a share of redis-benchmark's 1-client pair rate, so the
+                    // client crate's own share of the gap shows.
+                    let of_ref = |v: f64| match &ref1 {
+                        Ok(b) => format!(" ({:.2})", v / b.pair),
+                        Err(_) => String::new(),
+                    };
+                    self.out.line(
+                        "client floor: the redis crate's multiplexed connection (fencelock's), \
+                         1 client, (share of the redis-benchmark pair rate)",
+                    );
+                    self.out.line(format!(
+                        "  SET + no-op EVALSHA {:>8}/s{}  two no-op scripts with fencelock's keys \
+                         and arguments {:>8}/s{}  fencelock sequential {:>8}/s{}",
+                        rate(f.reference),
+                        of_ref(f.reference),
+                        rate(f.shaped),
+                        of_ref(f.shaped),
+                        rate(seq.ops_per_s),
+                        of_ref(seq.ops_per_s),
+                    ));
+                    self.out.num("floor.reference_pair_rate", f.reference);
+                    self.out.num("floor.shaped_pair_rate", f.shaped);
+                }
+                Err(e) => self.out.line(format!("  client floor unavailable: {e}")),
+            }
+        }
+        #[cfg(not(feature = "redis"))]
+        let _ = servers;
         if let Ok(b) = &ref50 {
             let ratio = par.ops_per_s / b.pair;
             self.out.num("uncontended.tasks64.ratio", ratio);

@@ -151,6 +151,7 @@ fn bench_on_redis_measures_renewals_and_leaves_nothing_behind() {
     for expected in [
         "target  fair: per-worker max/min",
         "requests/s",
+        "two no-op scripts with fencelock's keys and arguments",
         // Not asserted to be 0: an unoptimised build under a busy test run can be too slow to
         // renew 10,000 leases at the 3 s TTL of --quick, which the bench reports as it should.
         "leases lost during the window: ",

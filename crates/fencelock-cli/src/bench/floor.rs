@@ -1,0 +1,90 @@
+//! How close the client crate itself lets a lock built on server-side scripts come to the
+//! reference: the same connection type fencelock uses (the `redis` crate's multiplexed
+//! connection), first sending SET and a no-op EVALSHA (the reference's pair, through this
+//! crate instead of redis-benchmark's C client), then two no-op scripts carrying exactly the
+//! keys and arguments of fencelock's acquire and release. The second rate is what fencelock
+//! could reach if its scripts cost nothing on the server and its client path nothing at all.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{NodeConn, Stop, REFERENCE_SET_KEY};
+
+/// Pairs per second of both kinds, measured in alternating rounds.
+pub(super) struct Floor {
+    pub reference: f64,
+    pub shaped: f64,
+}
+
+const ROUND: u32 = 200;
+
+pub(super) async fn measure(
+    conn: &NodeConn,
+    dur: Duration,
+    stop: &Stop,
+) -> redis::RedisResult<Floor> {
+    let mut conn = conn.clone();
+    let noop = redis::Script::new("return 1");
+    let acquire_keys: Vec<String> = (0..8)
+        .map(|i| format!("fencelock-bench-floor:{i}"))
+        .collect();
+    let release_keys = &acquire_keys[..6];
+    // Any 32 hex digits: the size of an owner value is what counts here.
+    let owner = format!("{:032x}", u128::from(std::process::id()));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let channel = "fencelock:v1:client:0123456789abcdef";
+    let wake = "fencelock:v1:wake:fencelock-bench-floor";
+    let acquire = |inv: &mut redis::ScriptInvocation<'_>| {
+        for k in &acquire_keys {
+            inv.key(k);
+        }
+        inv.arg(&owner)
+            .arg(30_000)
+            .arg(0)
+            .arg("0123456789abcdef")
+            .arg("bench-host")
+            .arg(std::process::id())
+            .arg("fencelock-bench")
+            .arg(now.to_string())
+            .arg(0)
+            .arg(channel);
+    };
+    let (mut ref_time, mut ref_pairs) = (Duration::ZERO, 0u32);
+    let (mut shaped_time, mut shaped_pairs) = (Duration::ZERO, 0u32);
+    let end = Instant::now() + dur;
+    while Instant::now() < end && !stop.is_set() {
+        let t = Instant::now();
+        for _ in 0..ROUND {
+            redis::cmd("SET")
+                .arg(REFERENCE_SET_KEY)
+                .arg("x")
+                .query_async::<()>(&mut conn)
+                .await?;
+            noop.prepare_invoke().invoke_async::<i64>(&mut conn).await?;
+        }
+        ref_time += t.elapsed();
+        ref_pairs += ROUND;
+        let t = Instant::now();
+        for _ in 0..ROUND {
+            let mut inv = noop.prepare_invoke();
+            acquire(&mut inv);
+            inv.invoke_async::<i64>(&mut conn).await?;
+            let mut inv = noop.prepare_invoke();
+            for k in release_keys {
+                inv.key(k);
+            }
+            inv.arg(&owner).arg(wake).arg(1);
+            inv.invoke_async::<i64>(&mut conn).await?;
+        }
+        shaped_time += t.elapsed();
+        shaped_pairs += ROUND;
+    }
+    let per_s = |pairs: u32, time: Duration| f64::from(pairs) / time.as_secs_f64().max(1e-9);
+    Ok(Floor {
+        reference: per_s(ref_pairs, ref_time),
+        shaped: per_s(shaped_pairs, shaped_time),
+    })
+}
