@@ -112,6 +112,10 @@ impl Error {
         self
     }
 
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "redis", feature = "postgres")),
+        allow(dead_code)
+    )]
     pub(crate) fn with_source(
         mut self,
         source: impl std::error::Error + Send + Sync + 'static,

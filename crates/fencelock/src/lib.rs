@@ -122,6 +122,9 @@ mod sqlite;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 mod redis;
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod wakers;
+
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 mod postgres;

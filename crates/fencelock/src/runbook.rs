@@ -345,6 +345,49 @@ pub struct AuditRecord {
     pub counter: FencingToken,
 }
 
+impl AuditRecord {
+    /// A record from the named fields an engine stored it as (key-value engines: the Redis
+    /// audit stream, etcd's audit keys): `id`, `resource`, `at`, `user`, `host`, `reason`,
+    /// `declared_dead`, `assessment`, the old holder's `owner`, `token`, `holder_host`, `pid`,
+    /// `client`, `acquired_at`, `renewed_at`, `ttl` (ms), and `counter` (0 when absent, for
+    /// engines that know it from elsewhere). Empty values count as absent. `None` for records
+    /// fencelock did not write.
+    #[cfg(any(feature = "redis", feature = "etcd"))]
+    pub(crate) fn from_fields(field: impl Fn(&str) -> Option<String>) -> Option<AuditRecord> {
+        use crate::holder::from_unix_millis;
+        let text = |k: &str| field(k).filter(|v| !v.is_empty());
+        let number = |k: &str| text(k).and_then(|v| v.parse::<i64>().ok());
+        let mut holder = Holder::bare(text("owner")?);
+        holder.token = number("token")
+            .and_then(|t| u64::try_from(t).ok())
+            .map(FencingToken::new);
+        holder.host = text("holder_host");
+        holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
+        holder.client = text("client");
+        holder.acquired_at = number("acquired_at").map(from_unix_millis);
+        holder.renewed_at = number("renewed_at").map(from_unix_millis);
+        holder.ttl = number("ttl")
+            .and_then(|t| u64::try_from(t).ok())
+            .map(Duration::from_millis);
+        Some(AuditRecord {
+            id: text("id")?,
+            resource: text("resource")?,
+            at: from_unix_millis(number("at")?),
+            user: text("user")?,
+            host: text("host")?,
+            reason: text("reason")?,
+            holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
+            assessment: text("assessment").unwrap_or_default(),
+            holder,
+            counter: FencingToken::new(
+                number("counter")
+                    .and_then(|c| u64::try_from(c).ok())
+                    .unwrap_or(0),
+            ),
+        })
+    }
+}
+
 impl Client {
     /// Every held lock whose name starts with `prefix` (a plain string: no pattern characters;
     /// `""` for all), sorted by name. Held means what [`Client::inspect`] says: on Redlock,

@@ -957,31 +957,7 @@ fn encode_record(r: &AuditRecord) -> String {
 
 fn decode_record(value: &[u8]) -> Option<AuditRecord> {
     let f = decode_fields(value)?;
-    let text = |k: &str| f.get(k).filter(|v| !v.is_empty()).cloned();
-    let number = |k: &str| f.get(k).and_then(|v| v.parse::<i64>().ok());
-    let mut holder = Holder::bare(text("owner")?);
-    holder.token = number("token")
-        .and_then(|t| u64::try_from(t).ok())
-        .map(FencingToken::new);
-    holder.host = text("holder_host");
-    holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
-    holder.client = text("client");
-    holder.acquired_at = number("acquired_at").map(from_unix_millis);
-    holder.ttl = number("ttl")
-        .and_then(|t| u64::try_from(t).ok())
-        .map(Duration::from_millis);
-    Some(AuditRecord {
-        id: text("id")?,
-        resource: text("resource")?,
-        at: from_unix_millis(number("at")?),
-        user: text("user")?,
-        host: text("host")?,
-        reason: text("reason")?,
-        holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
-        assessment: text("assessment").unwrap_or_default(),
-        holder,
-        counter: FencingToken::new(0),
-    })
+    AuditRecord::from_fields(|k| f.get(k).cloned())
 }
 
 #[cfg(test)]

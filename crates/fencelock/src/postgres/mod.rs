@@ -45,9 +45,8 @@
 mod advisory;
 mod lease;
 
-use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -63,6 +62,7 @@ use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, Holder};
 use crate::runbook::AuditRecord;
 use crate::token::FencingToken;
+use crate::wakers::{keep_listening, Wakers};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS fencelock_tokens (
@@ -390,31 +390,6 @@ fn token_to_i64(t: FencingToken) -> i64 {
     i64::try_from(t.get()).unwrap_or(i64::MAX)
 }
 
-/// Waiters per resource name, woken by notifications.
-#[derive(Default)]
-struct Wakers {
-    by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
-}
-
-impl Wakers {
-    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
-        let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() > 1024 {
-            map.retain(|_, s| s.receiver_count() > 0);
-        }
-        map.entry(name.to_owned())
-            .or_insert_with(|| watch::channel(Wake::default()).0)
-            .subscribe()
-    }
-
-    fn wake(&self, name: &str) {
-        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = map.get(name) {
-            s.send_modify(|w| w.seq = w.seq.wrapping_add(1));
-        }
-    }
-}
-
 /// Keeps one session listening on the prefix's channel and wakes the waiters of the resource
 /// each notification names; reconnects when it drops. While it is down, waiters fall back to
 /// their backoff.
@@ -424,47 +399,30 @@ async fn listen_for_wakeups(
     wakers: Arc<Wakers>,
     shutdown: CancellationToken,
 ) {
-    let mut delay = Duration::from_millis(50);
-    loop {
-        let session = async {
-            let (client, mut connection) = config.connect(NoTls).await?;
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-            let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-            let driver = tokio::spawn(async move {
-                while let Some(message) = messages.next().await {
-                    match message {
-                        Ok(AsyncMessage::Notification(n)) => {
-                            let _ = tx.send(n.payload().to_owned());
-                        }
-                        Ok(_) => {}
-                        Err(e) => return Err(e),
+    keep_listening("wake-up listener", shutdown, || async {
+        let (client, mut connection) = config.connect(NoTls).await?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        let driver = tokio::spawn(async move {
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(AsyncMessage::Notification(n)) => {
+                        let _ = tx.send(n.payload().to_owned());
                     }
-                }
-                Ok(())
-            });
-            client.batch_execute(&format!("LISTEN {channel}")).await?;
-            while let Some(name) = rx.recv().await {
-                wakers.wake(&name);
-            }
-            driver.abort();
-            Ok::<(), tokio_postgres::Error>(())
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = session => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "wake-up listener lost; reconnecting");
-                } else {
-                    delay = Duration::from_millis(50);
+                    Ok(_) => {}
+                    Err(e) => return Err(e),
                 }
             }
+            Ok(())
+        });
+        client.batch_execute(&format!("LISTEN {channel}")).await?;
+        while let Some(name) = rx.recv().await {
+            wakers.wake(&name, None, None);
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(2));
-    }
+        driver.abort();
+        Ok::<(), tokio_postgres::Error>(())
+    })
+    .await;
 }
 
 #[cfg(test)]

@@ -46,16 +46,16 @@ use futures_util::future::join_all;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Backend;
-use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed, Wake};
+use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, unix_millis, Holder};
 use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
+use crate::wakers::{keep_listening, Wakers};
 use keys::Keys;
 
 /// Leases per extension script call: keeps each call's argument list and run time small.
@@ -660,35 +660,6 @@ impl Engine for RedisEngine {
     }
 }
 
-/// Release announcements, fanned out to the waiters of each resource.
-#[derive(Default)]
-struct Wakers {
-    by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
-}
-
-impl Wakers {
-    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
-        let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() > 1024 {
-            map.retain(|_, s| s.receiver_count() > 0);
-        }
-        map.entry(name.to_owned())
-            .or_insert_with(|| watch::channel(Wake::default()).0)
-            .subscribe()
-    }
-
-    fn wake(&self, name: &str, only: Option<String>, granted: Option<FencingToken>) {
-        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = map.get(name) {
-            s.send_modify(|w| {
-                w.seq = w.seq.wrapping_add(1);
-                w.only = only;
-                w.granted = granted;
-            });
-        }
-    }
-}
-
 /// Keeps one pattern subscription to every wake channel under the prefix on one node, and one
 /// to this client's own channel, and reconnects when they drop. While they are down, waiters
 /// fall back to sleeping.
@@ -700,45 +671,26 @@ async fn listen_for_wakeups(
     shutdown: CancellationToken,
 ) {
     let pattern = keys::wake_pattern(&prefix);
-    let mut delay = Duration::from_millis(50);
-    loop {
-        let session = async {
-            let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.psubscribe(&pattern).await?;
-            pubsub.subscribe(&channel).await?;
-            let mut stream = pubsub.on_message();
-            while let Some(msg) = stream.next().await {
-                let payload = msg.get_payload_bytes();
-                if msg.get_channel_name() == channel {
-                    if let Some((name, owner, token)) = handoff_payload(&prefix, payload) {
-                        wakers.wake(name, Some(owner.to_owned()), Some(token));
-                    }
-                } else if let Some(name) =
-                    keys::name_of_wake_channel(&prefix, msg.get_channel_name())
-                {
-                    let only = Some(String::from_utf8_lossy(payload).into_owned())
-                        .filter(|o| !o.is_empty());
-                    wakers.wake(name, only, None);
+    keep_listening("wake-up subscription", shutdown, || async {
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.psubscribe(&pattern).await?;
+        pubsub.subscribe(&channel).await?;
+        let mut stream = pubsub.on_message();
+        while let Some(msg) = stream.next().await {
+            let payload = msg.get_payload_bytes();
+            if msg.get_channel_name() == channel {
+                if let Some((name, owner, token)) = handoff_payload(&prefix, payload) {
+                    wakers.wake(name, Some(owner.to_owned()), Some(token));
                 }
-            }
-            Ok::<(), redis::RedisError>(())
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = session => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "wake-up subscription lost; reconnecting");
-                } else {
-                    delay = Duration::from_millis(50);
-                }
+            } else if let Some(name) = keys::name_of_wake_channel(&prefix, msg.get_channel_name()) {
+                let only =
+                    Some(String::from_utf8_lossy(payload).into_owned()).filter(|o| !o.is_empty());
+                wakers.wake(name, only, None);
             }
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(2));
-    }
+        Ok::<(), redis::RedisError>(())
+    })
+    .await;
 }
 
 /// A handoff's payload on a client channel, `owner token wake-channel`: the resource (from its

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::holder::{unix_millis, Holder};
 use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 
@@ -332,30 +332,7 @@ fn parse_entry(entry: &Value) -> Option<AuditRecord> {
         }
         _ => return None,
     }
-    let text = |k: &str| fields.get(k).cloned();
-    let number = |k: &str| fields.get(k).and_then(|v| v.parse::<i64>().ok());
-    let mut holder = Holder::bare(text("owner")?);
-    holder.token = number("token")
-        .and_then(|t| u64::try_from(t).ok())
-        .map(FencingToken::new);
-    holder.host = text("holder_host");
-    holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
-    holder.client = text("client");
-    holder.acquired_at = number("acquired_at").map(from_unix_millis);
-    holder.renewed_at = number("renewed_at").map(from_unix_millis);
-    holder.ttl = number("ttl")
-        .and_then(|t| u64::try_from(t).ok())
-        .map(Duration::from_millis);
-    Some(AuditRecord {
-        id: text("id")?,
-        resource: text("resource")?,
-        at: from_unix_millis(number("at")?),
-        user: text("user")?,
-        host: text("host")?,
-        reason: text("reason")?,
-        holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
-        assessment: text("assessment").unwrap_or_default(),
-        holder,
-        counter: FencingToken::new(fields.get("counter")?.parse().ok()?),
-    })
+    // A record whose script never wrote the counter is not one of ours.
+    fields.get("counter")?;
+    AuditRecord::from_fields(|k| fields.get(k).cloned())
 }
