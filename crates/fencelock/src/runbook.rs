@@ -353,6 +353,25 @@ impl AuditRecord {
     /// engines that know it from elsewhere). Empty values count as absent. `None` for records
     /// fencelock did not write.
     #[cfg(any(feature = "redis", feature = "etcd"))]
+    /// The operator's part of the record as named fields (what [`AuditRecord::from_fields`]
+    /// reads back): id, resource, time, who, from where, why, and the liveness verdict.
+    pub(crate) fn operator_fields(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("id", self.id.clone()),
+            ("resource", self.resource.clone()),
+            ("at", crate::holder::unix_millis(self.at).to_string()),
+            ("user", self.user.clone()),
+            ("host", self.host.clone()),
+            ("reason", self.reason.clone()),
+            (
+                "declared_dead",
+                if self.holder_declared_dead { "1" } else { "0" }.to_owned(),
+            ),
+            ("assessment", self.assessment.clone()),
+        ]
+    }
+
+    #[cfg(any(feature = "redis", feature = "etcd"))]
     pub(crate) fn from_fields(field: impl Fn(&str) -> Option<String>) -> Option<AuditRecord> {
         use crate::holder::from_unix_millis;
         let text = |k: &str| field(k).filter(|v| !v.is_empty());

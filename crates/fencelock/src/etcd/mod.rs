@@ -930,18 +930,8 @@ fn parse_meta(value: &[u8]) -> Option<Holder> {
 fn encode_record(r: &AuditRecord) -> String {
     let h = &r.holder;
     let opt = |v: Option<String>| v.unwrap_or_default();
-    encode_fields(&[
-        ("id", r.id.clone()),
-        ("resource", r.resource.clone()),
-        ("at", unix_millis(r.at).to_string()),
-        ("user", r.user.clone()),
-        ("host", r.host.clone()),
-        ("reason", r.reason.clone()),
-        (
-            "declared_dead",
-            if r.holder_declared_dead { "1" } else { "0" }.to_owned(),
-        ),
-        ("assessment", r.assessment.clone()),
+    let mut fields = r.operator_fields();
+    fields.extend([
         ("owner", h.owner.clone()),
         ("token", opt(h.token.map(|t| t.to_string()))),
         ("holder_host", opt(h.host.clone())),
@@ -952,7 +942,8 @@ fn encode_record(r: &AuditRecord) -> String {
             opt(h.acquired_at.map(|t| unix_millis(t).to_string())),
         ),
         ("ttl", opt(h.ttl.map(|t| t.as_millis().to_string()))),
-    ])
+    ]);
+    encode_fields(&fields)
 }
 
 fn decode_record(value: &[u8]) -> Option<AuditRecord> {

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::holder::{unix_millis, Holder};
+use crate::holder::Holder;
 use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 
@@ -151,7 +151,7 @@ impl RedisEngine {
             unix_micros()
         };
         let limit = self.node_limit();
-        let fields = record_fields(draft);
+        let fields = draft.operator_fields();
         let answers = join_all(self.nodes.iter().map(|n| {
             let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
             inv.key(&keys.lock)
@@ -290,24 +290,6 @@ impl RedisEngine {
         records.sort_by(|a, b| b.at.cmp(&a.at).then_with(|| b.id.cmp(&a.id)));
         Ok(records)
     }
-}
-
-/// The fields the client contributes to an audit entry; the script adds the old holder's and
-/// the counter.
-fn record_fields(r: &AuditRecord) -> Vec<(&'static str, String)> {
-    vec![
-        ("id", r.id.clone()),
-        ("resource", r.resource.clone()),
-        ("at", unix_millis(r.at).to_string()),
-        ("user", r.user.clone()),
-        ("host", r.host.clone()),
-        ("reason", r.reason.clone()),
-        (
-            "declared_dead",
-            if r.holder_declared_dead { "1" } else { "0" }.to_owned(),
-        ),
-        ("assessment", r.assessment.clone()),
-    ]
 }
 
 /// One stream entry (`[id, [field, value, ...]]`) as a record; `None` for entries fencelock did
