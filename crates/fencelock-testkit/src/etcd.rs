@@ -7,10 +7,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
 use tempfile::TempDir;
 
 use crate::free_port;
+use crate::proc::{as_pid, env_or, stop};
 
 /// Overrides the `etcd` found on `PATH`.
 const SERVER_ENV: &str = "FENCELOCK_ETCD";
@@ -423,28 +423,10 @@ impl Drop for EtcdCluster {
     }
 }
 
-fn stop(child: &mut Child) {
-    if let Ok(None) = child.try_wait() {
-        let _ = signal::kill(as_pid(child.id()), Signal::SIGKILL);
-        let _ = child.wait();
-    }
-}
-
-fn as_pid(pid: u32) -> Pid {
-    Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX))
-}
-
 fn server_bin() -> PathBuf {
     env_or(SERVER_ENV, "etcd")
 }
 
 fn ctl_bin() -> PathBuf {
     env_or(CTL_ENV, "etcdctl")
-}
-
-fn env_or(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(default))
 }

@@ -22,6 +22,7 @@
 
 mod etcd;
 mod postgres;
+mod proc;
 mod redis;
 
 use std::net::{Ipv4Addr, TcpListener};

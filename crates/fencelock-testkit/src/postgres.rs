@@ -8,10 +8,11 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
-use nix::unistd::{Gid, Pid, Uid, User};
+use nix::unistd::{Gid, Uid, User};
 use tempfile::TempDir;
 
 use crate::free_port;
+use crate::proc::as_pid;
 
 /// Overrides the directory holding `initdb`, `postgres` and `psql`.
 const BINDIR_ENV: &str = "FENCELOCK_PG_BINDIR";
@@ -332,12 +333,6 @@ fn stop(child: &mut Child) {
         // SIGKILL is delivered asynchronously; once this returns, no backend may still serve.
         crate::wait_until(KILL_TIMEOUT, || children.iter().all(|c| !c.is_alive()));
     }
-}
-
-fn as_pid(pid: u32) -> Pid {
-    // Saturating keeps an impossible value from wrapping to a negative number, which kill(2)
-    // reads as a process group.
-    Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX))
 }
 
 /// The fields of `/proc/PID/stat` that tell a process apart from a later one with its pid.

@@ -8,10 +8,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
 use tempfile::TempDir;
 
 use crate::free_port;
+use crate::proc::{as_pid, env_or, stop};
 
 /// Overrides the `redis-server` found on `PATH`.
 const SERVER_ENV: &str = "FENCELOCK_REDIS_SERVER";
@@ -355,33 +355,8 @@ fn reported_pid(reply: &[u8]) -> Option<u32> {
     rest[..rest.find("\r\n")?].parse().ok()
 }
 
-/// SIGKILLs and reaps `child`, ignoring errors: this runs from `Drop` and on
-/// error paths, where there is nothing better to do.
-fn stop(child: &mut Child) {
-    // Signal only a child we have not reaped yet: once reaped, its pid may
-    // already belong to an unrelated process.
-    if let Ok(None) = child.try_wait() {
-        // SIGKILL also ends a SIGSTOPped process, so a paused server dies too.
-        let _ = signal::kill(as_pid(child.id()), Signal::SIGKILL);
-        let _ = child.wait();
-    }
-}
-
-fn as_pid(pid: u32) -> Pid {
-    // Kernel pids fit in pid_t; saturating keeps an impossible value from
-    // wrapping to a negative number, which kill(2) reads as a process group.
-    Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX))
-}
-
 fn server_bin() -> PathBuf {
     env_or(SERVER_ENV, "redis-server")
-}
-
-fn env_or(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(default))
 }
 
 fn explain_spawn_error(
