@@ -6,7 +6,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
+use common::{
+    check_mutual_exclusion, check_mutual_exclusion_with, check_stale_owner, check_watchdog, connect,
+};
 
 use fencelock::{Client, ErrorKind, LockOptions};
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
@@ -21,6 +23,27 @@ fn cli(server: &RedisServer, args: &[&str]) -> String {
 async fn mutual_exclusion_one_node() {
     let server = RedisServer::start().unwrap();
     check_mutual_exclusion(&server.url(), 12, 10).await;
+}
+
+/// Fair mode, where releases hand the lock over on one node; a TTL above the queue entry's
+/// life (6 s here) makes every handed-over grant a cut one that renews early.
+fn fair_contention() -> LockOptions {
+    LockOptions::default()
+        .fair(true)
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::from_secs(30))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_one_node_fair() {
+    let server = RedisServer::start().unwrap();
+    check_mutual_exclusion_with(&server.url(), 12, 10, fair_contention()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mutual_exclusion_redlock_three_nodes_fair() {
+    let nodes = start_redis_nodes(3).unwrap();
+    check_mutual_exclusion_with(&redlock_url(&nodes), 8, 6, fair_contention()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

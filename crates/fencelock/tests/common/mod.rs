@@ -15,6 +15,19 @@ pub async fn connect(url: &str) -> Client {
 /// Many clients (separate connections, as separate processes would have), one name: never two
 /// holders at once, tokens strictly increasing in the order the grants happened.
 pub async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
+    let opts = LockOptions::default()
+        .ttl(Duration::from_secs(5))
+        .wait(Duration::from_secs(30));
+    check_mutual_exclusion_with(url, clients, rounds, opts).await;
+}
+
+/// [`check_mutual_exclusion`] with the given lock options (fair mode, say).
+pub async fn check_mutual_exclusion_with(
+    url: &str,
+    clients: usize,
+    rounds: usize,
+    opts: LockOptions,
+) {
     let inside = Arc::new(AtomicUsize::new(0));
     let grants = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -22,10 +35,8 @@ pub async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
         let c = connect(url).await;
         let inside = inside.clone();
         let grants = grants.clone();
+        let opts = opts.clone();
         tasks.push(tokio::spawn(async move {
-            let opts = LockOptions::default()
-                .ttl(Duration::from_secs(5))
-                .wait(Duration::from_secs(30));
             for _ in 0..rounds {
                 let lease = c.acquire("shared", &opts).await.unwrap();
                 assert_eq!(
