@@ -4,6 +4,37 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
+/// Lua functions the scripts that grant, hand over or force-release share; each of those
+/// scripts starts with them.
+const SHARED: &str = r#"
+-- Removes the FIFO waiters whose queue entries expired by `now` (ms).
+local function prune_waiters(queue, qexp, qinfo, now)
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', qexp, '-inf', now)) do
+    redis.call('ZREM', queue, w)
+    redis.call('ZREM', qexp, w)
+    redis.call('HDEL', qinfo, w)
+  end
+end
+-- Advances the fencing counter to max(counter + 1, floor), with floor 0 meaning the server's
+-- clock in microseconds, and returns it as text.
+local function advance(fence, floor)
+  if floor == 0 then
+    local t = redis.call('TIME')
+    floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  local tok = tonumber(redis.call('GET', fence) or '0') + 1
+  if floor > tok then tok = floor end
+  local s = string.format('%.0f', tok)
+  redis.call('SET', fence, s)
+  return s
+end
+"#;
+
+/// A script whose body may call the [`SHARED`] functions.
+fn with_shared(body: &str) -> Script {
+    Script::new(&format!("{SHARED}{body}"))
+}
+
 /// Acquire, advancing the fencing counter in the same step.
 ///
 /// KEYS: lock, fence, meta, node, queue, qexp, qseq, qinfo.
@@ -20,7 +51,7 @@ use redis::Script;
 /// a node that restarted empty still hands out tokens above everything it granted before, as
 /// long as its clock did not step back across the restart.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_shared(
         r#"
 local node = redis.call('GET', KEYS[4])
 if not node then
@@ -46,12 +77,7 @@ local fair = tonumber(ARGV[9])
 if fair > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)
-  for _, w in ipairs(gone) do
-    redis.call('ZREM', KEYS[5], w)
-    redis.call('ZREM', KEYS[6], w)
-    redis.call('HDEL', KEYS[8], w)
-  end
+  prune_waiters(KEYS[5], KEYS[6], KEYS[8], now)
   local head = redis.call('ZRANGE', KEYS[5], 0, 0)[1]
   if cur or (head and head ~= ARGV[1]) then
     if not redis.call('ZSCORE', KEYS[5], ARGV[1]) then
@@ -71,15 +97,7 @@ if fair > 0 then
 elseif cur then
   return held()
 end
-local floor = tonumber(ARGV[3])
-if floor == 0 then
-  local t = redis.call('TIME')
-  floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local tok = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-if floor > tok then tok = floor end
-local s = string.format('%.0f', tok)
-redis.call('SET', KEYS[2], s)
+local s = advance(KEYS[2], tonumber(ARGV[3]))
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[3], 'owner', ARGV[1], 'token', s, 'host', ARGV[5], 'pid', ARGV[6],
   'client', ARGV[7], 'acquired_at', ARGV[8], 'renewed_at', ARGV[8], 'ttl', ARGV[2])
@@ -136,7 +154,7 @@ return out
 /// blocks the lock no longer than its entry would have; the waiter's client renews the lease
 /// to its full TTL at once.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_shared(
         r#"
 local queued = 0
 local queue = redis.call('EXISTS', KEYS[3]) == 1
@@ -156,23 +174,14 @@ redis.call('DEL', KEYS[1], KEYS[2])
 if queue and ARGV[3] == '1' then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
-  for _, w in ipairs(gone) do
-    redis.call('ZREM', KEYS[3], w)
-    redis.call('ZREM', KEYS[4], w)
-    redis.call('HDEL', KEYS[6], w)
-  end
+  prune_waiters(KEYS[3], KEYS[4], KEYS[6], now)
   local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
   local info = head and redis.call('HGET', KEYS[6], head)
   if info then
     local ttl, host, pid, client, channel = cmsgpack.unpack(info)
     local left = tonumber(redis.call('ZSCORE', KEYS[4], head)) - now
     local px = math.min(tonumber(ttl), left)
-    local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    local tok = tonumber(redis.call('GET', KEYS[5]) or '0') + 1
-    if floor > tok then tok = floor end
-    local s = string.format('%.0f', tok)
-    redis.call('SET', KEYS[5], s)
+    local s = advance(KEYS[5], tonumber(t[1]) * 1000000 + tonumber(t[2]))
     redis.call('SET', KEYS[1], head, 'PX', px)
     redis.call('HSET', KEYS[2], 'owner', head, 'token', s, 'host', host, 'pid', pid,
       'client', client, 'acquired_at', now, 'renewed_at', now, 'ttl', ttl)
@@ -234,22 +243,14 @@ return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), meta}
 /// from the metadata hash (only if that hash belongs to the owner being deleted) and the new
 /// counter.
 pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_shared(
         r#"
 local cur = redis.call('GET', KEYS[1])
 if not cur or (ARGV[1] ~= '' and cur ~= ARGV[1]) then
   return {0}
 end
 local meta = redis.call('HMGET', KEYS[2], 'owner', 'token', 'host', 'pid', 'client', 'acquired_at', 'renewed_at', 'ttl')
-local floor = tonumber(ARGV[2])
-if floor == 0 then
-  local t = redis.call('TIME')
-  floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local mark = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
-if floor > mark then mark = floor end
-local s = string.format('%.0f', mark)
-redis.call('SET', KEYS[3], s)
+local s = advance(KEYS[3], tonumber(ARGV[2]))
 redis.call('DEL', KEYS[1], KEYS[2])
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
