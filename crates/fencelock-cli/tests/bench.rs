@@ -1,14 +1,15 @@
 //! `fencelock bench` as a real process: on a SQLite file and against a real redis-server.
 #![allow(clippy::unwrap_used)]
 
+mod child;
+
 use std::fs::File;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::Duration;
 
+use child::{Proc, BIN};
 use fencelock_testkit::{free_port, wait_until, RedisServer};
-
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
 
 /// A whole quick bench takes about 25 s against Redis; this only catches a hung one.
 const LIMIT: Duration = Duration::from_secs(180);
@@ -17,16 +18,6 @@ struct Finished {
     code: Option<i32>,
     stdout: String,
     stderr: String,
-}
-
-/// A bench process, killed by pid if the test ends before it does.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// Runs `fencelock bench ARGS` with output in files under `dir`, so a full pipe can never

@@ -2,33 +2,14 @@
 //! `psql` takes, and a holder whose session ends has its command terminated.
 #![allow(clippy::unwrap_used)]
 
+mod child;
+
 use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use child::{fencelock, Proc, BIN};
 use fencelock_testkit::{wait_until, PgServer};
-
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
-
-/// A child process killed by pid when the test ends, whatever happened.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn fencelock(url: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(BIN);
-    c.args(args)
-        .env("FENCELOCK_URL", url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
 
 fn query(server: &PgServer, sql: &str) -> String {
     let out = server.psql(sql).unwrap();

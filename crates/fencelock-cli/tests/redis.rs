@@ -1,33 +1,13 @@
 //! `fencelock run` against real Redis servers: one node and a Redlock quorum.
 #![allow(clippy::unwrap_used)]
 
+mod child;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use child::{fencelock, Proc};
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
-
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
-
-/// A child process killed by pid when the test ends, whatever happened.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn fencelock(url: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(BIN);
-    c.args(args)
-        .env("FENCELOCK_URL", url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    c
-}
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path)
