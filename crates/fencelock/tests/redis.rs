@@ -469,6 +469,87 @@ async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt
     assert_eq!(cli(&server, &["EXISTS", &lock]), "0");
 }
 
+/// Calls of one command the server has run so far, those inside scripts included.
+fn command_calls(server: &RedisServer, command: &str) -> u64 {
+    let prefix = format!("cmdstat_{command}:calls=");
+    cli(server, &["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoffs_chain_through_every_queued_fair_waiter() {
+    let server = RedisServer::start().unwrap();
+    let holder = connect(&server.url()).await;
+    let warm = holder.try_acquire("warm", &LockOptions::default()).await;
+    warm.unwrap().release().await.unwrap();
+    let first = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let keys = holder.keys_for("r").unwrap();
+    let queue = keys[3].1.clone();
+    let wait_flag = keys.iter().find(|(k, _)| *k == "wait").unwrap().1.clone();
+    // Each waiter's own next attempt would come 4 s later: only handoffs can finish the chain
+    // within the 3 s allowed below.
+    let opts = LockOptions::default()
+        .fair(true)
+        .wait(Duration::from_secs(30))
+        .backoff(Duration::from_secs(4), Duration::from_secs(4));
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let c = connect(&server.url()).await;
+        let (opts, order) = (opts.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let l = c.acquire("r", &opts).await.unwrap();
+            order.lock().unwrap().push(i);
+            l.release().await.unwrap();
+        }));
+        let (srv, q) = (&server, queue.clone());
+        assert!(wait_until(Duration::from_secs(5), || {
+            cli(srv, &["ZCARD", &q]) == (i + 1).to_string()
+        }));
+    }
+    let before = script_calls(&server);
+    first.release().await.unwrap();
+    timeout(Duration::from_secs(3), async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect("every waiter got the lock by handoff, without its own retry");
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2]);
+    // Four releases and nothing else: each release handed the lock to the next waiter.
+    assert_eq!(script_calls(&server) - before, 4);
+    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+    assert_eq!(cli(&server, &["EXISTS", &wait_flag]), "0");
+    assert!(holder.inspect("r").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_release_publishes_only_when_someone_waits() {
+    let server = RedisServer::start().unwrap();
+    let a = connect(&server.url()).await;
+    let b = connect(&server.url()).await;
+    for _ in 0..20 {
+        let l = a.try_acquire("r", &LockOptions::default()).await.unwrap();
+        l.release().await.unwrap();
+    }
+    assert_eq!(command_calls(&server, "publish"), 0);
+    let l = a.try_acquire("r", &LockOptions::default()).await.unwrap();
+    let refused = b.try_acquire("r", &LockOptions::default()).await;
+    assert_eq!(refused.unwrap_err().kind(), ErrorKind::HeldByAnother);
+    l.release().await.unwrap();
+    assert_eq!(command_calls(&server, "publish"), 1);
+    // The refused attempt's flag went with that release: the next holder's release is quiet.
+    let l = b.try_acquire("r", &LockOptions::default()).await.unwrap();
+    l.release().await.unwrap();
+    assert_eq!(command_calls(&server, "publish"), 1);
+}
+
 #[tokio::test]
 async fn a_cancelled_fair_waiter_leaves_no_queue_entry() {
     let server = RedisServer::start().unwrap();

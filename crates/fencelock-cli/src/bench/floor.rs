@@ -26,10 +26,10 @@ pub(super) async fn measure(
 ) -> redis::RedisResult<Floor> {
     let mut conn = conn.clone();
     let noop = redis::Script::new("return 1");
-    let acquire_keys: Vec<String> = (0..8)
+    let acquire_keys: Vec<String> = (0..9)
         .map(|i| format!("fencelock-bench-floor:{i}"))
         .collect();
-    let release_keys = &acquire_keys[..6];
+    let release_keys = &acquire_keys[..7];
     // Any 32 hex digits: the size of an owner value is what counts here.
     let owner = format!("{:032x}", u128::from(std::process::id()));
     let now = std::time::SystemTime::now()
@@ -45,10 +45,11 @@ pub(super) async fn measure(
             .arg(30_000)
             .arg(0)
             .arg("0123456789abcdef")
-            .arg("bench-host")
-            .arg(std::process::id())
-            .arg("fencelock-bench")
             .arg(now.to_string())
+            .arg(format!(
+                "{}\nbench-host\nfencelock-bench",
+                std::process::id()
+            ))
             .arg(0)
             .arg(channel);
     };

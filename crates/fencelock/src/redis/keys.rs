@@ -6,7 +6,8 @@
 //! |---|---|---|
 //! | `P lock: N` | string | the holder's owner value, set with `SET key owner NX PX ttl` |
 //! | `P fence: N` | string | the fencing counter (no expiry) |
-//! | `P meta: N` | hash | holder metadata (owner, token, host, pid, client, times), same expiry as the lock |
+//! | `P meta: N` | string | holder metadata, `token\nowner\nttl_ms\nacquired_at_ms\npid\nhost\nclient`, same expiry as the lock |
+//! | `P wait: N` | string | set while someone waits for the lock, so that its release announces itself; expires with the lock (or with the FIFO queue) |
 //! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
 //! | `P wake: N` | pub/sub channel | a message on every release that someone waits for |
 //! | `P client: C` | pub/sub channel | the handoffs to the fair waiters of one client (`C`: a random id per client) |
@@ -38,6 +39,7 @@ pub(crate) struct Keys {
     pub qexp: String,
     pub qseq: String,
     pub qinfo: String,
+    pub wait: String,
     pub wake: String,
 }
 
@@ -52,6 +54,7 @@ impl Keys {
             qexp: k("qexp"),
             qseq: k("qseq"),
             qinfo: k("qinfo"),
+            wait: k("wait"),
             wake: k("wake"),
         }
     }
@@ -65,6 +68,7 @@ impl Keys {
             ("qexp", self.qexp.clone()),
             ("qseq", self.qseq.clone()),
             ("qinfo", self.qinfo.clone()),
+            ("wait", self.wait.clone()),
             ("wake", self.wake.clone()),
         ]
     }

@@ -52,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::Backend;
 use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
+use crate::holder::{from_unix_millis, unix_millis, Holder, HolderMeta};
 use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 use crate::wakers::{keep_listening, Wakers};
@@ -264,34 +264,42 @@ fn as_i64(v: &Value) -> Option<i64> {
     }
 }
 
-/// Builds a holder from the current lock value, its PTTL and the metadata fields
-/// (owner, token, host, pid, client, acquired_at, renewed_at, ttl).
+/// The `who` part of the holder metadata: `pid\nhost\nclient`. The client name comes last so it
+/// may hold any byte; a newline in the host (no real host name has one) would shift the fields,
+/// so it is replaced.
+fn who(meta: &HolderMeta) -> String {
+    format!(
+        "{}\n{}\n{}",
+        meta.pid,
+        meta.host.replace('\n', " "),
+        meta.client
+    )
+}
+
+/// Builds a holder from the current lock value, its PTTL and the metadata string
+/// (`token\nowner\nttl\nacquired_at\npid\nhost\nclient`, see the scripts).
 fn holder_from(owner: String, pttl: Option<Duration>, meta: &Value) -> Holder {
     let mut h = Holder::bare(owner);
     h.ttl_left = pttl;
-    if let Value::Array(f) = meta {
-        // Metadata written by another owner (a stale hash) must not be attributed to this one.
-        if f.first().and_then(as_string).as_deref() == Some(h.owner.as_str()) {
-            h.token = f
-                .get(1)
-                .and_then(as_i64)
-                .and_then(|t| u64::try_from(t).ok())
-                .map(FencingToken::new);
-            h.host = f.get(2).and_then(as_string);
-            h.pid = f
-                .get(3)
-                .and_then(as_i64)
-                .and_then(|p| u32::try_from(p).ok());
-            h.client = f.get(4).and_then(as_string);
-            h.acquired_at = f.get(5).and_then(as_i64).map(from_unix_millis);
-            h.renewed_at = f.get(6).and_then(as_i64).map(from_unix_millis);
-            h.ttl = f
-                .get(7)
-                .and_then(as_i64)
-                .and_then(|t| u64::try_from(t).ok())
-                .map(Duration::from_millis);
-        }
+    let Some(text) = as_string(meta) else {
+        return h;
+    };
+    let f: Vec<&str> = text.splitn(7, '\n').collect();
+    // Metadata written by another owner (a stale value) must not be attributed to this one.
+    if f.len() != 7 || f[1] != h.owner {
+        return h;
     }
+    h.token = f[0].parse().ok().map(FencingToken::new);
+    h.ttl = f[2].parse().ok().map(Duration::from_millis);
+    h.acquired_at = f[3].parse().ok().map(from_unix_millis);
+    h.pid = f[4].parse().ok();
+    h.host = Some(f[5].to_owned());
+    h.client = Some(f[6].to_owned());
+    // Every renewal restores the full TTL, so the last one was `ttl - left` ago.
+    h.renewed_at = match (h.ttl, pttl) {
+        (Some(ttl), Some(left)) => SystemTime::now().checked_sub(ttl.saturating_sub(left)),
+        _ => None,
+    };
     h
 }
 
@@ -331,6 +339,7 @@ impl RedisEngine {
             .key(&keys.fence)
             .key(&keys.meta)
             .key(keys::node_key(&self.prefix))
+            .key(&keys.wait)
             .key(&keys.queue)
             .key(&keys.qexp)
             .key(&keys.qseq)
@@ -339,10 +348,8 @@ impl RedisEngine {
             .arg(ms(req.ttl))
             .arg(floor)
             .arg(format!("{:016x}", rand::random::<u64>()))
-            .arg(&req.meta.host)
-            .arg(req.meta.pid)
-            .arg(&req.meta.client)
             .arg(unix_millis(SystemTime::now()))
+            .arg(who(&req.meta))
             .arg(req.fair.map_or(0, ms))
             .arg(&self.channel);
         let reply: Vec<Value> = node.run(inv, limit).await?;
@@ -380,10 +387,11 @@ impl RedisEngine {
         let mut inv = scripts::RELEASE.prepare_invoke();
         inv.key(&keys.lock)
             .key(&keys.meta)
+            .key(&keys.wait)
             .key(&keys.queue)
             .key(&keys.qexp)
-            .key(&keys.fence)
             .key(&keys.qinfo)
+            .key(&keys.fence)
             .arg(owner)
             .arg(&keys.wake)
             .arg(u8::from(self.nodes.len() == 1));
@@ -407,11 +415,9 @@ impl RedisEngine {
 
     async fn extend_on(&self, node: &Node, batch: &[Renewal]) -> NodeResult<Vec<bool>> {
         let mut out = Vec::with_capacity(batch.len());
-        let now = unix_millis(SystemTime::now());
         let limit = self.op_timeout;
         for chunk in batch.chunks(EXTEND_CHUNK) {
             let mut inv = scripts::EXTEND.prepare_invoke();
-            inv.arg(now);
             for r in chunk {
                 let k = self.keys(&r.name);
                 inv.key(k.lock).key(k.meta).arg(&r.owner).arg(ms(r.ttl));
@@ -709,6 +715,42 @@ fn handoff_payload<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holder_metadata_round_trips_and_is_never_misattributed() {
+        let meta = HolderMeta {
+            host: "box\n1".to_owned(),
+            pid: 42,
+            client: "billing\nnightly".to_owned(),
+        };
+        let text = format!("17\nabc\n30000\n1700000000000\n{}", who(&meta));
+        let h = holder_from(
+            "abc".to_owned(),
+            Some(Duration::from_secs(20)),
+            &Value::BulkString(text.clone().into_bytes()),
+        );
+        assert_eq!(h.token, Some(FencingToken::new(17)));
+        assert_eq!(h.ttl, Some(Duration::from_secs(30)));
+        assert_eq!(h.acquired_at, Some(from_unix_millis(1_700_000_000_000)));
+        assert_eq!(h.pid, Some(42));
+        assert_eq!(h.host.as_deref(), Some("box 1"));
+        assert_eq!(h.client.as_deref(), Some("billing\nnightly"));
+        // Renewed 10 s ago: 30 s of TTL, 20 s left.
+        let ago = SystemTime::now()
+            .duration_since(h.renewed_at.unwrap())
+            .unwrap();
+        assert!(
+            ago >= Duration::from_secs(10) && ago < Duration::from_secs(11),
+            "{ago:?}"
+        );
+        // A value left by another owner, or a malformed one, gives a bare holder.
+        for other in [text.as_str(), "17\nabc\n30000"] {
+            let h = holder_from("xyz".to_owned(), None, &Value::BulkString(other.into()));
+            assert_eq!((h.token, h.host, h.renewed_at), (None, None, None));
+        }
+        let h = holder_from("abc".to_owned(), None, &Value::BulkString("17\nabc".into()));
+        assert_eq!(h.token, None);
+    }
 
     #[test]
     fn handoff_payload_names_resource_owner_and_token() {

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::holder::Holder;
+use crate::holder::{from_unix_millis, Holder};
 use crate::runbook::{AuditRecord, HeldLock};
 use crate::token::FencingToken;
 
@@ -159,6 +159,7 @@ impl RedisEngine {
                 .key(&keys.fence)
                 .key(&keys.queue)
                 .key(&audit)
+                .key(&keys.wait)
                 .arg(expected_owner.unwrap_or(""))
                 .arg(floor)
                 .arg(&keys.wake)
@@ -179,10 +180,13 @@ impl RedisEngine {
                     let counter = v.get(1).and_then(as_string).and_then(|s| s.parse().ok());
                     let owner = v.get(2).and_then(as_string);
                     match counter.zip(owner) {
-                        Some((c, owner)) => released.push(Some((
-                            c,
-                            holder_from(owner, None, v.get(3).unwrap_or(&Value::Nil)),
-                        ))),
+                        Some((c, owner)) => {
+                            let mut holder =
+                                holder_from(owner, None, v.get(3).unwrap_or(&Value::Nil));
+                            // As the script wrote it into the audit record.
+                            holder.renewed_at = v.get(4).and_then(as_i64).map(from_unix_millis);
+                            released.push(Some((c, holder)));
+                        }
                         None => {
                             errors.push(format!(
                                 "{}: unexpected reply to the forced release",
