@@ -10,7 +10,7 @@ use anyhow::Result;
 use clap::Args;
 use fencelock::RedisNode;
 use fencelock::{Client, ErrorKind, Lease, LockOptions};
-use tokio::sync::{watch, Barrier};
+use tokio::sync::{mpsc, oneshot, watch, Barrier};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -22,6 +22,7 @@ mod etcd;
 mod floor;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod runtime;
 
 type LibResult<T> = std::result::Result<T, fencelock::Error>;
 
@@ -199,8 +200,14 @@ impl Bench<'_> {
         self.out
             .line("== 1. uncontended acquire+release (try_acquire + release, TTL 30 s) ==");
         let ref1_before = self.reference_rate(1).await;
-        let seq = sequential(self.client, &self.names.take("seq"), self.dur, self.stop).await?;
+        let seq =
+            sequential_on_own_thread(self.backend, self.names.take("seq"), self.dur, self.stop)
+                .await?;
         let ref1_after = self.reference_rate(1).await;
+        // The same run on the CLI's own runtime, where the client's tasks and this loop wake
+        // each other across two worker threads: the difference is that toll, not the lock's.
+        let seq_mt =
+            sequential(self.client, &self.names.take("seq-mt"), self.dur, self.stop).await?;
         let ref50_before = self.reference_rate(50).await;
         let task_names: Vec<String> = (0..CONCURRENT_TASKS)
             .map(|i| self.names.take(&format!("par-{i}")))
@@ -209,15 +216,20 @@ impl Bench<'_> {
         let ref50_after = self.reference_rate(50).await;
 
         self.out.line(format!(
-            "{:<30} {:>9} {:>9} {:>9} {:>12} {:>12}",
+            "{:<38} {:>9} {:>9} {:>9} {:>12} {:>12}",
             "run", "pairs/s", "p50", "p99", "acquire p50", "release p50"
         ));
         for (label, key, r) in [
             ("sequential, 1 client", "sequential", &seq),
+            (
+                "sequential, 1 client, 2-worker runtime",
+                "sequential_2worker_runtime",
+                &seq_mt,
+            ),
             ("64 tasks, 1 shared client", "tasks64", &par),
         ] {
             self.out.line(format!(
-                "{label:<30} {:>9} {:>9} {:>9} {:>12} {:>12}",
+                "{label:<38} {:>9} {:>9} {:>9} {:>12} {:>12}",
                 rate(r.ops_per_s),
                 dur(r.pair.p(50.0)),
                 dur(r.pair.p(99.0)),
@@ -231,6 +243,10 @@ impl Bench<'_> {
             self.out
                 .micros(&format!("uncontended.{key}.p99_us"), r.pair.p(99.0));
         }
+        self.out.line(
+            "sequential, 1 client: own thread, single-threaded runtime (like redis-benchmark's \
+             one event loop); 2-worker runtime: the same loop on the CLI's runtime",
+        );
 
         #[cfg(feature = "etcd")]
         if let Some(e) = self.etcd {
@@ -279,10 +295,22 @@ impl Bench<'_> {
                 &format!("{ratio:.2}"),
                 Some(ratio >= limit),
             );
+            let ratio_mt = seq_mt.ops_per_s / b.pair;
+            self.out
+                .num("uncontended.sequential_2worker_runtime.ratio", ratio_mt);
+            self.out.target(
+                "uncontended.sequential_2worker_runtime.ratio",
+                "2-worker sequential / 1-client pair rate (no target)",
+                &format!("{ratio_mt:.2}"),
+                None,
+            );
         }
         #[cfg(feature = "redis")]
-        if let (Some(conn), false) = (servers.and_then(|s| s.conns.first()), self.stop.is_set()) {
-            match floor::measure(conn, self.dur, self.stop).await {
+        if let (Some(url), false) = (
+            servers.and_then(|s| s.target.urls.first()),
+            self.stop.is_set(),
+        ) {
+            match floor::measure_on_own_thread(url, self.dur, self.stop).await {
                 Ok(f) => {
                     // Each rate also as a share of redis-benchmark's 1-client pair rate, so the
                     // client crate's own share of the gap shows.
@@ -292,7 +320,8 @@ impl Bench<'_> {
                     };
                     self.out.line(
                         "client floor: the redis crate's multiplexed connection (fencelock's), \
-                         1 client, (share of the redis-benchmark pair rate)",
+                         1 client on a single-threaded runtime of its own, like the sequential \
+                         run (share of the redis-benchmark pair rate)",
                     );
                     self.out.line(format!(
                         "  SET + no-op EVALSHA {:>8}/s{}  two no-op scripts with fencelock's keys \
@@ -338,65 +367,56 @@ impl Bench<'_> {
             "== 2. contention: {CONTENDERS} workers, one name, acquire (wait 10 s), hold 1 ms, \
              release =="
         ));
-        // One Client per worker, like 16 processes: each has its own connection and its own
-        // wake-up subscription, so handoffs cross the server as they would between machines.
-        // Tasks sharing one Client would measure a single socket and one subscription instead.
+        // One thread per worker, each with a single-threaded runtime and a Client of its own,
+        // like 16 processes: each has its own connection and its own wake-up subscription, so
+        // handoffs cross the server as they would between machines, and no wake-up has to
+        // cross between the worker threads of one shared runtime on the way. Tasks sharing one
+        // Client would measure a single socket and one subscription instead.
         self.out.line(format!(
-            "workers: {CONTENDERS} separate Clients, one task each (each Client has its own \
-             connections{}, as separate processes would)",
+            "workers: {CONTENDERS}, each its own thread with a single-threaded runtime and its \
+             own Client (own connections{}), as separate processes would be",
             if self.engine == "sqlite" {
                 ""
             } else {
                 " and wake-up subscription"
             }
         ));
-        let backend = self.backend;
-        let mut clients = Vec::with_capacity(CONTENDERS);
-        for _ in 0..CONTENDERS {
-            clients.push(connect(backend, CLIENT_NAME).await?);
-        }
         let name = self.names.take("contended");
         let warm: Vec<String> = (0..CONTENDERS)
             .map(|i| self.names.take(&format!("warm-{i}")))
             .collect();
-        let result = self.contention_modes(&clients, &name, &warm, servers).await;
-        for c in &clients {
-            c.close().await;
-        }
-        result
+        let mut crew = Crew::default();
+        let result = self
+            .contention_modes(&mut crew, &name, &warm, servers)
+            .await;
+        // Every thread is joined whatever happened above; the run's own error comes first.
+        let ended = crew.finish().await;
+        result.and(ended)
     }
 
     async fn contention_modes(
         &mut self,
-        clients: &[Client],
+        crew: &mut Crew,
         name: &str,
         warm: &[String],
         servers: Option<&Servers>,
     ) -> Result<()> {
-        let mut tasks = JoinSet::new();
-        for (client, warm) in clients.iter().zip(warm) {
-            let (client, warm) = (client.clone(), warm.clone());
-            tasks.spawn(async move {
-                PairTimes::default()
-                    .one(&client, &warm, &LockOptions::default(), false)
-                    .await
-            });
+        // Each worker connects and warms up before the next starts, so a backend that refuses
+        // connections is reported once, not by every worker.
+        for (i, warm) in warm.iter().enumerate() {
+            crew.start(i, self.backend, warm, self.stop).await?;
         }
-        // Opens every client's connections before the clock starts; on Redis engines the
-        // wake-up subscriptions come up in the background meanwhile.
-        bounded(Duration::ZERO, join_all(tasks)).await??;
+        // Redis engines bring a Client's wake-up subscription up in the background; give
+        // them time to be in place before the clock starts.
         tokio::time::sleep(Duration::from_millis(200)).await;
 
-        let default = contend_counted(clients, name, false, self.dur, self.stop, servers).await?;
+        let default = contend_counted(crew, name, false, self.dur, servers).await?;
         let fair = if self.stop.is_set() {
             None
         } else {
             let probe = LockOptions::default().fair(true);
-            match clients[0].try_acquire(name, &probe).await {
-                Ok(lease) => {
-                    lease.release().await.map_err(fail)?;
-                    Some(contend_counted(clients, name, true, self.dur, self.stop, servers).await?)
-                }
+            match crew.probe(name, &probe).await? {
+                Ok(()) => Some(contend_counted(crew, name, true, self.dur, servers).await?),
                 Err(e) if e.kind() == ErrorKind::InvalidInput => {
                     self.out.line(format!("fair mode skipped: {e}"));
                     None
@@ -741,6 +761,24 @@ async fn sequential(
     })
 }
 
+/// [`sequential`] with a Client of its own, connected and closed on a thread of its own with a
+/// single-threaded runtime (see [`runtime`]).
+async fn sequential_on_own_thread(
+    backend: &BackendArg,
+    name: String,
+    dur: Duration,
+    stop: &Stop,
+) -> Result<Uncontended> {
+    let (backend, stop) = (backend.clone(), stop.clone());
+    runtime::on_own_thread("fencelock-bench-seq", move || async move {
+        let client = connect(&backend, CLIENT_NAME).await?;
+        let seq = sequential(&client, &name, dur, &stop).await;
+        client.close().await;
+        seq
+    })
+    .await
+}
+
 async fn concurrent(
     client: &Client,
     names: Vec<String>,
@@ -814,18 +852,17 @@ type ReleaseStart = Arc<Mutex<Option<Instant>>>;
 
 /// [`contend`], with the servers' request counters read around it.
 async fn contend_counted(
-    clients: &[Client],
+    crew: &Crew,
     name: &str,
     fair: bool,
     dur: Duration,
-    stop: &Stop,
     servers: Option<&Servers>,
 ) -> Result<Contention> {
     let before = match servers {
         Some(s) => s.commandstats().await.ok(),
         None => None,
     };
-    let (mut c, all_acquired) = contend(clients, name, fair, dur, stop).await?;
+    let (mut c, all_acquired) = contend(crew, name, fair, dur).await?;
     if let (Some(s), Some(before)) = (servers, before) {
         if let Ok(after) = s.commandstats().await {
             let mut requests = 0;
@@ -844,31 +881,28 @@ async fn contend_counted(
 }
 
 /// Returns the figures and the number of acquisitions in all (the window's and the stragglers').
-async fn contend(
-    clients: &[Client],
-    name: &str,
-    fair: bool,
-    dur: Duration,
-    stop: &Stop,
-) -> Result<(Contention, u64)> {
+async fn contend(crew: &Crew, name: &str, fair: bool, dur: Duration) -> Result<(Contention, u64)> {
     let opts = LockOptions::default().wait(CONTENTION_WAIT).fair(fair);
     let released_at: ReleaseStart = Arc::new(Mutex::new(None));
-    let barrier = Arc::new(Barrier::new(clients.len()));
-    let mut tasks = JoinSet::new();
-    for client in clients {
-        let (client, name) = (client.clone(), name.to_owned());
-        let (opts, released_at, barrier, stop) = (
-            opts.clone(),
-            released_at.clone(),
-            barrier.clone(),
-            stop.clone(),
-        );
-        tasks.spawn(async move {
-            barrier.wait().await;
-            worker(&client, &name, &opts, dur, &released_at, &stop).await
-        });
+    let go = Arc::new(Barrier::new(crew.len()));
+    let mut answers = Vec::with_capacity(crew.len());
+    for i in 0..crew.len() {
+        let (answer, rx) = oneshot::channel();
+        crew.order(
+            i,
+            Order::Contend {
+                name: name.to_owned(),
+                opts: opts.clone(),
+                dur,
+                go: go.clone(),
+                released_at: released_at.clone(),
+                answer,
+            },
+        )?;
+        answers.push(rx);
     }
-    let workers = bounded(dur + CONTENTION_WAIT, join_all(tasks)).await??;
+    // Every worker bounds its own run; this only waits for their answers.
+    let workers = gather(answers).await?;
     let mut handoffs = Vec::new();
     let mut waits = Vec::new();
     let mut held = Duration::ZERO;
@@ -940,6 +974,204 @@ async fn worker(
         lease.release().await?;
     }
     Ok(w)
+}
+
+/// The contention workers, one thread each with a single-threaded runtime and a Client of its
+/// own, taking orders until their order channel closes.
+#[derive(Default)]
+struct Crew {
+    orders: Vec<mpsc::UnboundedSender<Order>>,
+    threads: Vec<tokio::task::JoinHandle<Result<()>>>,
+}
+
+enum Order {
+    /// Meet every other worker at `go`, then run [`worker`] for `dur`.
+    Contend {
+        name: String,
+        opts: LockOptions,
+        dur: Duration,
+        go: Arc<Barrier>,
+        released_at: ReleaseStart,
+        answer: Answer<WorkerTimes>,
+    },
+    /// One try_acquire + release: the answer is try_acquire's error, if any.
+    Probe {
+        name: String,
+        opts: LockOptions,
+        answer: Answer<()>,
+    },
+}
+
+/// A worker's answer to one order. The outer error has been reported already (the order ran
+/// out of time, or a release failed); the inner one is the library's, for the coordinator to
+/// report or to read.
+type Answer<T> = oneshot::Sender<Result<LibResult<T>>>;
+
+impl Crew {
+    fn len(&self) -> usize {
+        self.orders.len()
+    }
+
+    /// Starts worker `i` and waits until it is connected and warmed up on its own `warm` name,
+    /// so connection set-up stays out of every figure.
+    async fn start(
+        &mut self,
+        i: usize,
+        backend: &BackendArg,
+        warm: &str,
+        stop: &Stop,
+    ) -> Result<()> {
+        let (orders_tx, orders) = mpsc::unbounded_channel();
+        let (ready_tx, ready) = oneshot::channel();
+        let (backend, warm, stop) = (backend.clone(), warm.to_owned(), stop.clone());
+        let thread = tokio::spawn(async move {
+            let name = format!("fencelock-bench-worker-{i}");
+            runtime::on_own_thread(&name, move || {
+                crew_member(backend, warm, stop, ready_tx, orders)
+            })
+            .await
+        });
+        if ready.await.is_ok() {
+            self.orders.push(orders_tx);
+            self.threads.push(thread);
+            return Ok(());
+        }
+        // A worker that could not get ready has ended, and its result says why.
+        match bounded(Duration::ZERO, thread).await? {
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(())) => Err(anyhow::anyhow!(
+                "contention worker {i} ended before it was ready"
+            )),
+            Err(e) => Err(anyhow::anyhow!("contention worker {i} failed: {e}")),
+        }
+    }
+
+    fn order(&self, i: usize, order: Order) -> Result<()> {
+        self.orders
+            .get(i)
+            .ok_or_else(|| anyhow::anyhow!("no contention worker {i}"))?
+            .send(order)
+            .map_err(|_| anyhow::anyhow!("contention worker {i} has stopped"))
+    }
+
+    /// Whether the engine takes `opts`, asked by the first worker.
+    async fn probe(&self, name: &str, opts: &LockOptions) -> Result<LibResult<()>> {
+        let (answer, rx) = oneshot::channel();
+        self.order(
+            0,
+            Order::Probe {
+                name: name.to_owned(),
+                opts: opts.clone(),
+                answer,
+            },
+        )?;
+        rx.await
+            .map_err(|_| anyhow::anyhow!("contention worker 0 stopped before answering"))?
+    }
+
+    /// Closes every order channel, so that each worker closes its Client and its thread ends,
+    /// then joins them all. The first failure wins.
+    async fn finish(self) -> Result<()> {
+        drop(self.orders);
+        let mut first_error = None;
+        for (i, thread) in self.threads.into_iter().enumerate() {
+            let ended = match bounded(Duration::ZERO, thread).await {
+                Ok(Ok(ended)) => ended,
+                Ok(Err(e)) => Err(anyhow::anyhow!("contention worker {i} failed: {e}")),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = ended {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// One contention worker, on its own thread and runtime: connects, warms up, says it is ready,
+/// then carries out orders until the coordinator closes the channel.
+async fn crew_member(
+    backend: BackendArg,
+    warm: String,
+    stop: Stop,
+    ready: oneshot::Sender<()>,
+    mut orders: mpsc::UnboundedReceiver<Order>,
+) -> Result<()> {
+    let client = connect(&backend, CLIENT_NAME).await?;
+    let warmed = bounded(
+        Duration::ZERO,
+        PairTimes::default().one(&client, &warm, &LockOptions::default(), false),
+    )
+    .await
+    .and_then(|r| r.map_err(fail));
+    if let Err(e) = warmed {
+        client.close().await;
+        return Err(e);
+    }
+    // The coordinator waits for this before it starts the next worker; if it has gone, the
+    // order channel is closed too and the loop below ends at once.
+    let _ = ready.send(());
+    while let Some(order) = orders.recv().await {
+        // Each order is bounded here, on the worker's own clock, so the thread always comes
+        // back to this loop and ends once the channel closes.
+        match order {
+            Order::Contend {
+                name,
+                opts,
+                dur,
+                go,
+                released_at,
+                answer,
+            } => {
+                let run = bounded(dur + CONTENTION_WAIT, async {
+                    go.wait().await;
+                    worker(&client, &name, &opts, dur, &released_at, &stop).await
+                })
+                .await;
+                let _ = answer.send(run);
+            }
+            Order::Probe { name, opts, answer } => {
+                let probe = bounded(Duration::ZERO, async {
+                    match client.try_acquire(&name, &opts).await {
+                        Ok(lease) => lease.release().await.map(Ok).map_err(fail),
+                        Err(e) => Ok(Err(e)),
+                    }
+                })
+                .await
+                .and_then(|r| r);
+                let _ = answer.send(probe);
+            }
+        }
+    }
+    client.close().await;
+    Ok(())
+}
+
+/// Every worker's answer; the first error wins (and is reported once), but only once every
+/// worker has answered, so no worker is left holding a lease.
+async fn gather<T>(answers: Vec<oneshot::Receiver<Result<LibResult<T>>>>) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(answers.len());
+    let mut first_error = None;
+    for (i, rx) in answers.into_iter().enumerate() {
+        match rx.await {
+            Ok(Ok(Ok(v))) => out.push(v),
+            Ok(Ok(Err(e))) => {
+                first_error.get_or_insert_with(|| fail(e));
+            }
+            Ok(Err(e)) => {
+                first_error.get_or_insert(e);
+            }
+            Err(_) => {
+                first_error.get_or_insert_with(|| {
+                    anyhow::anyhow!("contention worker {i} stopped before answering")
+                });
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

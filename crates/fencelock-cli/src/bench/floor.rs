@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
+use anyhow::anyhow;
 use tokio::time::Instant;
 
-use super::{NodeConn, Stop, REFERENCE_SET_KEY};
+use super::{open_node, runtime, NodeConn, Stop, NODE_TIMEOUT, PHASE_SLACK, REFERENCE_SET_KEY};
 
 /// Pairs per second of both kinds, measured in alternating rounds.
 pub(super) struct Floor {
@@ -19,11 +20,28 @@ pub(super) struct Floor {
 
 const ROUND: u32 = 200;
 
-pub(super) async fn measure(
-    conn: &NodeConn,
+/// [`measure`] on a thread of its own with a single-threaded runtime, over a connection opened
+/// there, so that it stays comparable with the sequential run measured the same way.
+pub(super) async fn measure_on_own_thread(
+    url: &str,
     dur: Duration,
     stop: &Stop,
-) -> redis::RedisResult<Floor> {
+) -> anyhow::Result<Floor> {
+    let (url, stop) = (url.to_owned(), stop.clone());
+    runtime::on_own_thread("fencelock-bench-floor", move || async move {
+        // A multiplexed connection drives its socket from a task on the runtime that opened it.
+        let conn = tokio::time::timeout(NODE_TIMEOUT, open_node(&url))
+            .await
+            .map_err(|_| anyhow!("no answer from the node within 5s"))??;
+        tokio::time::timeout(dur + PHASE_SLACK, measure(&conn, dur, &stop))
+            .await
+            .map_err(|_| anyhow!("did not finish within {}", super::dur(dur + PHASE_SLACK)))?
+            .map_err(Into::into)
+    })
+    .await
+}
+
+async fn measure(conn: &NodeConn, dur: Duration, stop: &Stop) -> redis::RedisResult<Floor> {
     let mut conn = conn.clone();
     let noop = redis::Script::new("return 1");
     let acquire_keys: Vec<String> = (0..9)
