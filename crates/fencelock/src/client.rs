@@ -279,6 +279,7 @@ impl Client {
             fair: opts
                 .fair_value()
                 .then(|| max_backoff * 4 + inner.op_timeout),
+            since: std::time::SystemTime::now(),
         };
         let mut pending = Pending {
             client: inner.clone(),
@@ -381,16 +382,12 @@ impl Client {
                 // A release announcement ends the pause early; the retry then races the
                 // other woken waiters (or, in fair mode, only the head of the queue can win).
                 Some(mut wake) => {
-                    let mine = async {
-                        while wake.changed().await.is_ok() {
-                            let w = wake.borrow_and_update();
-                            if w.concerns(&req.owner) {
-                                return w.granted;
-                            }
-                        }
-                        None
-                    };
-                    let handed = tokio::time::timeout(pause, mine).await.ok().flatten();
+                    let mine = wake.concerning(&req.owner);
+                    let handed = tokio::time::timeout(pause, mine)
+                        .await
+                        .ok()
+                        .flatten()
+                        .flatten();
                     // A release handed the lock to this waiter. Its expiry on the engine started
                     // after this attempt was answered (the release found the queue entry it
                     // made), so validity counts from the attempt's start; the entry's time

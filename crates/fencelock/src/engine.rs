@@ -39,6 +39,10 @@ pub(crate) struct AcquireRequest {
     /// FIFO mode: queue behind earlier waiters; the waiter entry lives this long unless the
     /// waiter tries again.
     pub fair: Option<Duration>,
+    /// When this acquisition began, by the wall clock: where engines with several independent
+    /// queues (Redlock) place the waiter, so that every node orders the waiters alike.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub since: std::time::SystemTime,
 }
 
 /// The engine's answer to one attempt.
@@ -53,14 +57,23 @@ pub(crate) enum Attempt {
         retry_in: Option<Duration>,
         /// Changes when the engine announces a release of this resource. Subscribed before
         /// the attempt was sent, so a release right after the answer is not missed.
-        wake: Option<tokio::sync::watch::Receiver<Wake>>,
+        wake: Option<crate::wakers::WakeRx>,
     },
 }
 
-/// A release announcement as waiters see it.
+/// The release announcements of one resource as waiters see them: the newest few, numbered.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Wake {
-    /// Changes with every announcement, so that equal announcements still register.
+    /// The number of the newest announcement; changes with every one, so that equal
+    /// announcements still register.
+    pub seq: u64,
+    /// The newest announcements, oldest first, at most [`Wake::KEPT`].
+    pub recent: std::collections::VecDeque<Announcement>,
+}
+
+/// One release announcement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Announcement {
     pub seq: u64,
     /// In FIFO mode, the only waiter that can win next; the others keep waiting.
     pub only: Option<String>,
@@ -70,6 +83,23 @@ pub(crate) struct Wake {
 }
 
 impl Wake {
+    /// Enough for the announcements of one release by every node of a Redlock set, and some.
+    pub(crate) const KEPT: usize = 16;
+
+    pub(crate) fn push(&mut self, only: Option<String>, granted: Option<FencingToken>) {
+        self.seq = self.seq.wrapping_add(1);
+        if self.recent.len() == Self::KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Announcement {
+            seq: self.seq,
+            only,
+            granted,
+        });
+    }
+}
+
+impl Announcement {
     pub(crate) fn concerns(&self, owner: &str) -> bool {
         self.only.as_deref().is_none_or(|o| o == owner)
     }

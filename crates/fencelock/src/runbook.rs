@@ -714,6 +714,7 @@ mod engine_tests {
             meta: HolderMeta::current("holder".into()),
             campaign: None,
             fair: None,
+            since: std::time::SystemTime::now(),
         };
         match engine.try_acquire(&req).await.unwrap() {
             Attempt::Granted(t) => t,

@@ -18,20 +18,72 @@ use crate::token::FencingToken;
 /// Names with no receiver left are dropped once the map grows past this.
 const PRUNE_ABOVE: usize = 1024;
 
+/// The announcements of one resource, from the moment of subscription.
+///
+/// A watch channel shows only its latest value, and several announcements can come in before
+/// the waiter looks (Redlock nodes each announce the same release, naming their own queue
+/// heads): the value keeps the newest few, so an earlier one that named this waiter is not
+/// lost behind a later one that named another.
+#[derive(Debug)]
+pub(crate) struct WakeRx {
+    rx: watch::Receiver<Wake>,
+    seen: u64,
+}
+
+impl WakeRx {
+    /// Waits for an announcement that may concern `owner`: one naming it (or nobody in
+    /// particular), or any after more announcements than are kept went by unseen. Returns the
+    /// token a handoff granted it, if the announcement says so; `None` when the announcer is
+    /// gone.
+    pub(crate) async fn concerning(&mut self, owner: &str) -> Option<Option<FencingToken>> {
+        while self.rx.changed().await.is_ok() {
+            let w = self.rx.borrow_and_update();
+            let unseen = w
+                .recent
+                .iter()
+                .filter(|a| a.seq.wrapping_sub(self.seen) as i64 > 0);
+            let mut found = None;
+            let mut oldest = None;
+            for a in unseen {
+                oldest.get_or_insert(a.seq);
+                if a.concerns(owner) {
+                    // A handoff to this owner wins over any plain wake-up beside it.
+                    if a.granted.is_some() || found.is_none() {
+                        found = Some(a.granted);
+                    }
+                }
+            }
+            let missed = oldest.is_none_or(|o| o.wrapping_sub(self.seen) > 1);
+            self.seen = w.seq;
+            if found.is_some() {
+                return found;
+            }
+            if missed {
+                return Some(None);
+            }
+        }
+        None
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Wakers {
     by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
 }
 
 impl Wakers {
-    pub(crate) fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
+    pub(crate) fn subscribe(&self, name: &str) -> WakeRx {
         let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
         if map.len() > PRUNE_ABOVE {
             map.retain(|_, s| s.receiver_count() > 0);
         }
-        map.entry(name.to_owned())
+        let rx = map
+            .entry(name.to_owned())
             .or_insert_with(|| watch::channel(Wake::default()).0)
-            .subscribe()
+            .subscribe();
+        // Announcements take the map's lock too, so this is the value the receiver has seen.
+        let seen = rx.borrow().seq;
+        WakeRx { rx, seen }
     }
 
     /// Announces a release of `name` to its waiters: to all of them, or only to `only` (the
@@ -39,11 +91,7 @@ impl Wakers {
     pub(crate) fn wake(&self, name: &str, only: Option<String>, granted: Option<FencingToken>) {
         let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = map.get(name) {
-            s.send_modify(|w| {
-                w.seq = w.seq.wrapping_add(1);
-                w.only = only;
-                w.granted = granted;
-            });
+            s.send_modify(|w| w.push(only, granted));
         }
     }
 }
@@ -77,5 +125,52 @@ pub(crate) async fn keep_listening<F, Fut, E>(
             _ = tokio::time::sleep(delay) => {}
         }
         delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn concerning(rx: &mut WakeRx, owner: &str) -> Option<Option<FencingToken>> {
+        tokio::time::timeout(Duration::from_millis(50), rx.concerning(owner))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    #[tokio::test]
+    async fn a_waiter_named_by_an_earlier_announcement_is_not_lost_behind_a_later_one() {
+        let wakers = Wakers::default();
+        let (mut w1, mut w2, mut w3) = (
+            wakers.subscribe("r"),
+            wakers.subscribe("r"),
+            wakers.subscribe("r"),
+        );
+        // Two nodes announce one release, each naming its own queue head.
+        wakers.wake("r", Some("w1".into()), None);
+        wakers.wake("r", Some("w2".into()), Some(FencingToken::new(7)));
+        assert_eq!(concerning(&mut w1, "w1").await, Some(None));
+        assert_eq!(
+            concerning(&mut w2, "w2").await,
+            Some(Some(FencingToken::new(7)))
+        );
+        assert_eq!(concerning(&mut w3, "w3").await, None);
+        // An announcement naming nobody concerns everybody.
+        wakers.wake("r", None, None);
+        assert_eq!(concerning(&mut w3, "w3").await, Some(None));
+    }
+
+    #[tokio::test]
+    async fn more_unseen_announcements_than_are_kept_wake_every_waiter() {
+        let wakers = Wakers::default();
+        let mut w = wakers.subscribe("r");
+        for i in 0..=Wake::KEPT {
+            wakers.wake("r", Some(format!("other-{i}")), None);
+        }
+        assert_eq!(concerning(&mut w, "w").await, Some(None));
+        let mut late = wakers.subscribe("r");
+        wakers.wake("r", Some("other".into()), None);
+        assert_eq!(concerning(&mut late, "w").await, None);
     }
 }

@@ -360,8 +360,18 @@ async fn release_wakes_a_waiter_without_waiting_out_its_backoff() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fair_mode_grants_in_arrival_order() {
-    let server = RedisServer::start().unwrap();
-    let url = server.url();
+    fair_order_on(&start_redis_nodes(1).unwrap()).await;
+}
+
+/// Redlock: every node must order the waiters alike, or nodes with different queue heads split
+/// their votes and a waiter that won on a minority would start again at the back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fair_mode_grants_in_arrival_order_on_redlock() {
+    fair_order_on(&start_redis_nodes(3).unwrap()).await;
+}
+
+async fn fair_order_on(nodes: &[RedisServer]) {
+    let url = backend_url(nodes);
     let holder = connect(&url).await;
     let lease = holder
         .try_acquire("r", &LockOptions::default())
@@ -381,11 +391,12 @@ async fn fair_mode_grants_in_arrival_order() {
             order.lock().unwrap().push(i);
             l.release().await.unwrap();
         }));
-        // The next waiter arrives only once this one is queued.
-        let srv = &server;
+        // The next waiter arrives only once this one is queued on every node.
         let q = queue.clone();
         assert!(wait_until(Duration::from_secs(5), || {
-            cli(srv, &["ZCARD", &q]) == (i + 1).to_string()
+            nodes
+                .iter()
+                .all(|n| cli(n, &["ZCARD", &q]) == (i + 1).to_string())
         }));
     }
     lease.release().await.unwrap();
@@ -393,7 +404,9 @@ async fn fair_mode_grants_in_arrival_order() {
         timeout(Duration::from_secs(20), t).await.unwrap().unwrap();
     }
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
-    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+    for n in nodes {
+        assert_eq!(cli(n, &["ZCARD", &queue]), "0");
+    }
 }
 
 /// Script calls (EVALSHA and EVAL) the server has run so far.

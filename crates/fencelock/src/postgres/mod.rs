@@ -51,17 +51,17 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, PgMode};
-use crate::engine::{Engine, EngineConfig, Wake};
+use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::holder::{from_unix_millis, Holder};
 use crate::runbook::AuditRecord;
 use crate::token::FencingToken;
+use crate::wakers::WakeRx;
 use crate::wakers::{keep_listening, Wakers};
 
 const SCHEMA: &str = "
@@ -270,7 +270,7 @@ impl Shared {
         self.connect_with(|| {}).await
     }
 
-    fn subscribe(&self, name: &str) -> watch::Receiver<Wake> {
+    fn subscribe(&self, name: &str) -> WakeRx {
         self.wakers.subscribe(name)
     }
 

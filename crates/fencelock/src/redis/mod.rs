@@ -227,6 +227,18 @@ impl Node {
     }
 }
 
+/// What a release means for the owner's place in the FIFO queues.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// The owner is done: a lease released, or an acquisition abandoned; it leaves the queues.
+    Done,
+    /// A split vote rolled back: the owner goes on waiting and keeps its place in the queues
+    /// of the nodes that refused it. Nodes that answered one attempt in different orders
+    /// would otherwise send a waiter that won on a minority to the back of every queue, again
+    /// and again.
+    KeepWaiting,
+}
+
 /// One node's answer to an acquisition attempt.
 enum NodeAttempt {
     Granted(u64),
@@ -314,6 +326,19 @@ impl RedisEngine {
         Keys::new(&self.prefix, name)
     }
 
+    /// Where a fair waiter goes in a node's queue: 0 lets one node number its waiters in
+    /// arrival order; Redlock nodes get the acquisition's start in microseconds instead, the
+    /// same on every node, because two waiters' attempts can reach two nodes in opposite
+    /// orders, and nodes whose queues disagree on the head split their votes.
+    fn queue_place(&self, req: &AcquireRequest) -> u64 {
+        if self.nodes.len() == 1 {
+            return 0;
+        }
+        req.since.duration_since(UNIX_EPOCH).map_or(1, |d| {
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+        })
+    }
+
     /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
     /// node costs a fraction of the validity, not all of it. One node gets the whole call.
     fn node_timeout(&self, ttl: Duration) -> Duration {
@@ -351,7 +376,8 @@ impl RedisEngine {
             .arg(unix_millis(SystemTime::now()))
             .arg(who(&req.meta))
             .arg(req.fair.map_or(0, ms))
-            .arg(&self.channel);
+            .arg(&self.channel)
+            .arg(self.queue_place(req));
         let reply: Vec<Value> = node.run(inv, limit).await?;
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
@@ -382,6 +408,7 @@ impl RedisEngine {
         node: &Node,
         keys: &Keys,
         owner: &str,
+        release: Release,
         limit: Duration,
     ) -> NodeResult<bool> {
         let mut inv = scripts::RELEASE.prepare_invoke();
@@ -394,7 +421,8 @@ impl RedisEngine {
             .key(&keys.fence)
             .arg(owner)
             .arg(&keys.wake)
-            .arg(u8::from(self.nodes.len() == 1));
+            .arg(u8::from(self.nodes.len() == 1))
+            .arg(u8::from(release == Release::KeepWaiting));
         let n: i64 = node.run(inv, limit).await?;
         Ok(n == 1)
     }
@@ -403,12 +431,13 @@ impl RedisEngine {
         &self,
         keys: &Keys,
         owner: &str,
+        release: Release,
         limit: Duration,
     ) -> Vec<NodeResult<bool>> {
         join_all(
             self.nodes
                 .iter()
-                .map(|n| self.release_on(n, keys, owner, limit)),
+                .map(|n| self.release_on(n, keys, owner, release, limit)),
         )
         .await
     }
@@ -527,7 +556,8 @@ impl Engine for RedisEngine {
         if granted_any || !errors.is_empty() {
             // A minority grant (or an answer that never came) must not linger: release it on
             // every node, including those that timed out.
-            self.release_everywhere(&keys, &req.owner, limit).await;
+            self.release_everywhere(&keys, &req.owner, Release::KeepWaiting, limit)
+                .await;
         }
         // Nobody else holds it, or too few nodes answered for any grant to be possible:
         // that is an engine problem, not contention.
@@ -598,7 +628,9 @@ impl Engine for RedisEngine {
 
     async fn release(&self, name: &str, owner: &str) -> Result<bool> {
         let keys = self.keys(name);
-        let answers = self.release_everywhere(&keys, owner, self.op_timeout).await;
+        let answers = self
+            .release_everywhere(&keys, owner, Release::Done, self.op_timeout)
+            .await;
         self.unless_every_node_failed(&answers)?;
         let released = answers.iter().filter(|r| matches!(r, Ok(true))).count();
         Ok(released >= self.quorum)

@@ -67,7 +67,9 @@ fn with_shared(body: &str) -> Script {
 /// KEYS: lock, fence, meta, node, wait, queue, qexp, qseq, qinfo.
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, now_ms (holder's
 /// wall clock), who (`pid\nhost\nclient`), fair waiter ttl_ms (0: not fair), the client's own
-/// wake-up channel (where a release tells this waiter it was handed the lock).
+/// wake-up channel (where a release tells this waiter it was handed the lock), the waiter's
+/// place in the queue (0: after every waiter so far, numbered by `qseq`; Redlock passes the
+/// acquisition's start in µs, so that every node orders the waiters alike).
 ///
 /// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, meta}` when held. The
 /// metadata keeps the lease TTL for the stuck-lock runbook, which reads the time since the last
@@ -116,7 +118,11 @@ if fair > 0 then
     local head = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
     if cur or (head and head ~= ARGV[1]) then
       if not redis.call('ZSCORE', KEYS[6], ARGV[1]) then
-        redis.call('ZADD', KEYS[6], redis.call('INCR', KEYS[8]), ARGV[1])
+        local place = ARGV[9]
+        if place == '0' then
+          place = redis.call('INCR', KEYS[8])
+        end
+        redis.call('ZADD', KEYS[6], place, ARGV[1])
       end
       redis.call('ZADD', KEYS[7], now + fair, ARGV[1])
       -- What a release needs to hand the lock straight to this waiter.
@@ -184,8 +190,9 @@ return out
 /// announces the change to waiters.
 ///
 /// KEYS: lock, meta, wait, queue, qexp, qinfo, fence. ARGV: owner, wake channel, handoff (1:
-/// hand the lock to the head of the FIFO queue). Reply: 1 when the lock was this owner's and is
-/// now deleted (or handed on).
+/// hand the lock to the head of the FIFO queue), keep waiting (1: a Redlock attempt rolled back
+/// on a split vote, whose owner keeps its place in the queue). Reply: 1 when the lock was this
+/// owner's and is now deleted (or handed on).
 ///
 /// The announcement goes out only when someone waits (the `wait` flag a refused attempt or a
 /// queued fair waiter set): an uncontended release is three reads and deletes and publishes
@@ -206,7 +213,7 @@ pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  if redis.call('ZREM', KEYS[4], ARGV[1]) == 1 then
+  if ARGV[4] ~= '1' and redis.call('ZREM', KEYS[4], ARGV[1]) == 1 then
     redis.call('ZREM', KEYS[5], ARGV[1])
     redis.call('HDEL', KEYS[6], ARGV[1])
     redis.call('PUBLISH', ARGV[2], redis.call('ZRANGE', KEYS[4], 0, 0)[1] or '')
