@@ -313,9 +313,26 @@ async fn release_wakes_waiters_in_both_modes() {
         let opts = LockOptions::default()
             .wait(Duration::from_secs(20))
             .backoff(Duration::from_secs(10), Duration::from_secs(10));
+        // The sessions whose last statement ended an attempt (the holder's, so far); the
+        // waiter's refused attempt shows as a new one. In lease mode a refusal ends by reading
+        // the holder.
+        let attempt = if url.contains("mode=lease") {
+            "SELECT owner, token, host"
+        } else {
+            "pg_try_advisory_lock"
+        };
+        let sessions = format!(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE '%{attempt}%' \
+             AND state = 'idle' AND pid <> pg_backend_pid() ORDER BY pid"
+        );
+        let before = query(&server, &sessions);
         let task = tokio::spawn(async move { waiter.acquire("job", &opts).await });
-        // Let the waiter make its first attempt and start its long backoff.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The waiter made its first attempt, was refused and sits in its 10 s backoff.
+        assert!(fencelock_testkit::wait_until(LIMIT, || {
+            query(&server, &sessions)
+                .lines()
+                .any(|pid| !before.lines().any(|b| b == pid))
+        }));
         let released = tokio::time::Instant::now();
         lease.release().await.unwrap();
         let got = timeout(LIMIT, task).await.unwrap().unwrap().unwrap();
