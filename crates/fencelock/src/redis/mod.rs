@@ -18,8 +18,9 @@
 //!   with it possibly locks it had granted: its votes do not count for one maximum TTL of this
 //!   client. A client that first meets a node after its restart cannot tell; run Redis with
 //!   `appendfsync always` for correctness locks.
-//! - **Wake-ups.** Release publishes on the resource's wake channel; each client keeps one
-//!   pattern subscription per node and wakes the waiters of that resource. A waiter subscribes
+//! - **Wake-ups.** A refused attempt sets the resource's `wait` flag; a release that finds it
+//!   publishes on the resource's wake channel (an uncontended release publishes nothing). Each
+//!   client keeps one pattern subscription per node and wakes the waiters of that resource. A waiter subscribes
 //!   before it sends its attempt, so a release right after a refusal is never missed; without a
 //!   message it sleeps no longer than the holder's remaining TTL.
 //! - **Fairness.** By default woken waiters race and the fastest wins: no order, and a waiter
@@ -29,7 +30,9 @@
 //!   when its acquisition is cancelled. On one node a release hands the lock straight to the
 //!   head of the queue and names it, with its token, in the wake-up: the handoff costs one
 //!   message instead of a message and a round trip (see the release script for the expiry
-//!   such a grant gets, and the client's acquire loop for the validity it counts).
+//!   such a grant gets, and the client's acquire loop for the validity it counts). On Redlock
+//!   every node places a waiter by the start of its acquisition, so that all nodes agree on
+//!   the head, and a split vote's rollback leaves the waiter's place alone.
 //!
 //! [`LockOptions::fair`]: crate::LockOptions::fair
 
