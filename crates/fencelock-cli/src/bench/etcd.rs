@@ -13,7 +13,9 @@ use etcd_client::{DeleteOptions, PutOptions};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{rate, Out, Stop, Uncontended, CONCURRENT_TASKS};
+use super::plumbing::{rate, Out, Stop};
+use super::uncontended::Uncontended;
+use super::CONCURRENT_TASKS;
 
 /// The raft proposals one uncontended acquire+release costs on etcd.
 const WRITES_PER_PAIR: f64 = 4.0;

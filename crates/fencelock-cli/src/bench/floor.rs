@@ -10,7 +10,10 @@ use std::time::Duration;
 use anyhow::anyhow;
 use tokio::time::Instant;
 
-use super::{open_node, runtime, NodeConn, Stop, NODE_TIMEOUT, PHASE_SLACK, REFERENCE_SET_KEY};
+use super::plumbing::Stop;
+use super::reference::REFERENCE_SET_KEY;
+use super::servers::{open_node, NodeConn, NODE_TIMEOUT};
+use super::{runtime, PHASE_SLACK};
 
 /// Pairs per second of both kinds, measured in alternating rounds.
 pub(super) struct Floor {
@@ -35,7 +38,12 @@ pub(super) async fn measure_on_own_thread(
             .map_err(|_| anyhow!("no answer from the node within 5s"))??;
         tokio::time::timeout(dur + PHASE_SLACK, measure(&conn, dur, &stop))
             .await
-            .map_err(|_| anyhow!("did not finish within {}", super::dur(dur + PHASE_SLACK)))?
+            .map_err(|_| {
+                anyhow!(
+                    "did not finish within {}",
+                    super::plumbing::dur(dur + PHASE_SLACK)
+                )
+            })?
             .map_err(Into::into)
     })
     .await

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use fencelock::{Backend, PgMode};
 
-use super::{rate, Out, Stop};
+use super::plumbing::{rate, Out, Stop};
 
 const ADVISORY_SCRIPT: &str = "\
 \\set k 8000000000 + :client_id

@@ -1,0 +1,375 @@
+//! The engine's Redis nodes, reached directly rather than through fencelock: the bench needs
+//! their command counters to say how many requests the lock really sent, and must delete the
+//! keys it wrote whatever happened to the run. Without the `redis` feature no Redis URL gets
+//! past `connect`, so the stubs that stand in for the node calls are never reached.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use anyhow::Result;
+use fencelock::{Client, RedisNode};
+
+use super::reference::{Reference, REFERENCE_SET_KEY};
+use crate::{exit, Exit};
+
+/// The parts of a `redis://` or `redlock://` URL the bench needs to reach the nodes itself.
+pub(super) struct RedisTarget {
+    pub(super) nodes: Vec<RedisNode>,
+    /// One `redis://` URL per node, credentials included, for the redis crate.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(super) urls: Vec<String>,
+    pub(super) user: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) db: i64,
+}
+
+fn redis_target(url: &str) -> std::result::Result<RedisTarget, String> {
+    let backend = fencelock::Backend::parse(url).map_err(|e| e.to_string())?;
+    let urls = backend.redis_node_urls();
+    match backend {
+        fencelock::Backend::Redis {
+            nodes,
+            user,
+            password,
+            db,
+            ..
+        } => Ok(RedisTarget {
+            nodes,
+            urls,
+            user,
+            password,
+            db,
+        }),
+        _ => Err("not a Redis backend".to_owned()),
+    }
+}
+
+/// The engine's nodes, reached directly (not through fencelock) to read their command counters
+/// and to delete what the bench wrote.
+pub(super) struct Servers {
+    pub(super) target: RedisTarget,
+    pub(super) addrs: Vec<String>,
+    conns: Vec<NodeConn>,
+}
+
+#[cfg(feature = "redis")]
+pub(super) type NodeConn = redis::aio::MultiplexedConnection;
+// Without the feature no Redis URL gets past `connect`, so no node is ever opened.
+#[cfg(not(feature = "redis"))]
+pub(super) type NodeConn = ();
+
+pub(super) const NODE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One reply of a node: a bulk string or an integer.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+enum Reply {
+    Text(String),
+    Int(i64),
+}
+
+impl Servers {
+    pub(super) async fn open(url: &str) -> Result<Servers> {
+        let target = redis_target(url).map_err(|e| {
+            eprintln!("fencelock: backend URL: {e}");
+            Exit(exit::USAGE)
+        })?;
+        let mut conns = Vec::new();
+        let mut addrs = Vec::new();
+        for (node, node_url) in target.nodes.iter().zip(&target.urls) {
+            match tokio::time::timeout(NODE_TIMEOUT, open_node(node_url)).await {
+                Ok(Ok(c)) => conns.push(c),
+                Ok(Err(e)) => {
+                    eprintln!("fencelock: cannot reach redis node {node}: {e}");
+                    return Err(Exit(exit::UNAVAILABLE).into());
+                }
+                Err(_) => {
+                    eprintln!("fencelock: no answer from redis node {node} within 5s");
+                    return Err(Exit(exit::UNAVAILABLE).into());
+                }
+            }
+            addrs.push(node.to_string());
+        }
+        Ok(Servers {
+            target,
+            addrs,
+            conns,
+        })
+    }
+
+    async fn call(&self, node: usize, args: &[&str]) -> std::result::Result<Reply, String> {
+        let (Some(conn), Some(addr)) = (self.conns.get(node), self.addrs.get(node)) else {
+            return Err(format!("no node {node}"));
+        };
+        match tokio::time::timeout(NODE_TIMEOUT, call_node(conn, args)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("{addr}: {}: {e}", args.first().unwrap_or(&""))),
+            Err(_) => Err(format!("{addr}: no answer within 5s")),
+        }
+    }
+
+    pub(super) async fn text(
+        &self,
+        node: usize,
+        args: &[&str],
+    ) -> std::result::Result<String, String> {
+        match self.call(node, args).await? {
+            Reply::Text(t) => Ok(t),
+            Reply::Int(i) => Ok(i.to_string()),
+        }
+    }
+
+    pub(super) async fn int(&self, node: usize, args: &[&str]) -> std::result::Result<u64, String> {
+        match self.call(node, args).await? {
+            Reply::Int(i) => Ok(u64::try_from(i).unwrap_or(0)),
+            Reply::Text(t) => t.parse().map_err(|_| format!("unexpected reply {t:?}")),
+        }
+    }
+
+    /// Splits a node's call counts into requests (commands no script can run: EVALSHA, EVAL,
+    /// SCRIPT, connection commands) and the rest, most of which the scripts ran.
+    pub(super) async fn requests(
+        &self,
+        node: usize,
+        calls: &CommandStats,
+    ) -> std::result::Result<u64, String> {
+        let names: Vec<&str> = calls.calls.iter().map(|(n, _)| n.as_str()).collect();
+        if names.is_empty() {
+            return Ok(0);
+        }
+        let (Some(conn), Some(addr)) = (self.conns.get(node), self.addrs.get(node)) else {
+            return Err(format!("no node {node}"));
+        };
+        let flags = match tokio::time::timeout(NODE_TIMEOUT, noscript_flags(conn, &names)).await {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => return Err(format!("{addr}: COMMAND INFO: {e}")),
+            Err(_) => return Err(format!("{addr}: no answer within 5s")),
+        };
+        Ok(calls
+            .calls
+            .iter()
+            .zip(flags)
+            .filter(|(_, noscript)| *noscript)
+            .map(|((_, n), _)| n)
+            .sum())
+    }
+
+    pub(super) async fn commandstats(&self) -> std::result::Result<Vec<CommandStats>, String> {
+        let mut all = Vec::with_capacity(self.conns.len());
+        for node in 0..self.conns.len() {
+            let text = self.text(node, &["INFO", "commandstats"]).await?;
+            all.push(CommandStats::parse(&text));
+        }
+        Ok(all)
+    }
+
+    /// Deletes the keys of every name the bench used (fencing counters, metadata, queues) on
+    /// every node, and redis-benchmark's SET key if the bench created it. The names carry a
+    /// random run id, so nothing else can be using these counters.
+    pub(super) async fn delete_bench_keys(
+        &self,
+        client: &Client,
+        names: &[String],
+        reference: &std::result::Result<Reference, String>,
+    ) -> std::result::Result<String, String> {
+        let mut keys = Vec::with_capacity(names.len() * 6);
+        for name in names {
+            let labelled = client.keys_for(name).map_err(|e| e.to_string())?;
+            keys.extend(
+                labelled
+                    .into_iter()
+                    .filter(|(label, _)| *label != "wake")
+                    .map(|(_, k)| k),
+            );
+        }
+        let mut deleted = 0u64;
+        for node in 0..self.conns.len() {
+            for chunk in keys.chunks(1000) {
+                let mut args = vec!["UNLINK"];
+                args.extend(chunk.iter().map(String::as_str));
+                deleted += self.int(node, &args).await?;
+            }
+        }
+        let mut msg = format!(
+            "deleted {deleted} keys of {} bench names on {} node(s)",
+            names.len(),
+            self.conns.len()
+        );
+        if let Ok(r) = reference {
+            if r.created_set_key {
+                self.int(0, &["UNLINK", REFERENCE_SET_KEY]).await?;
+                let _ = write!(msg, " and redis-benchmark's {REFERENCE_SET_KEY:?}");
+            }
+        }
+        Ok(msg)
+    }
+}
+
+#[cfg(feature = "redis")]
+pub(super) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
+    redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await
+}
+
+#[cfg(feature = "redis")]
+async fn call_node(conn: &NodeConn, args: &[&str]) -> redis::RedisResult<Reply> {
+    let mut conn = conn.clone();
+    let mut cmd = redis::Cmd::new();
+    for a in args {
+        cmd.arg(*a);
+    }
+    Ok(match cmd.query_async::<redis::Value>(&mut conn).await? {
+        redis::Value::Int(i) => Reply::Int(i),
+        other => Reply::Text(redis::from_redis_value(other)?),
+    })
+}
+
+/// Which of `names` carry the `noscript` flag: commands a script cannot run, so every call
+/// of them is a request some client sent.
+#[cfg(feature = "redis")]
+async fn noscript_flags(conn: &NodeConn, names: &[&str]) -> redis::RedisResult<Vec<bool>> {
+    use redis::Value;
+    let mut conn = conn.clone();
+    let reply: Vec<Value> = redis::cmd("COMMAND")
+        .arg("INFO")
+        .arg(names)
+        .query_async(&mut conn)
+        .await?;
+    Ok(reply
+        .iter()
+        .map(|info| match info {
+            Value::Array(fields) => match fields.get(2) {
+                Some(Value::Array(flags)) => flags.iter().any(|f| match f {
+                    Value::SimpleString(s) => s == "noscript",
+                    Value::BulkString(b) => b == b"noscript",
+                    _ => false,
+                }),
+                _ => false,
+            },
+            _ => false,
+        })
+        .collect())
+}
+
+#[cfg(not(feature = "redis"))]
+async fn noscript_flags(_: &NodeConn, _: &[&str]) -> std::result::Result<Vec<bool>, String> {
+    Err("this build of fencelock lacks the `redis` feature".to_owned())
+}
+
+#[cfg(not(feature = "redis"))]
+pub(super) async fn open_node(_: &str) -> std::result::Result<NodeConn, String> {
+    Err("this build of fencelock lacks the `redis` feature".to_owned())
+}
+
+#[cfg(not(feature = "redis"))]
+async fn call_node(_: &NodeConn, _: &[&str]) -> std::result::Result<Reply, String> {
+    Err("this build of fencelock lacks the `redis` feature".to_owned())
+}
+
+#[derive(Default)]
+pub(super) struct CommandStats {
+    calls: Vec<(String, u64)>,
+}
+
+impl CommandStats {
+    /// Reads `cmdstat_<name>:calls=N,...` lines of `INFO commandstats`.
+    fn parse(text: &str) -> CommandStats {
+        let calls = text
+            .lines()
+            .filter_map(|line| {
+                let (name, fields) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let n = fields
+                    .split(',')
+                    .find_map(|f| f.strip_prefix("calls="))?
+                    .trim()
+                    .parse()
+                    .ok()?;
+                Some((name.to_owned(), n))
+            })
+            .collect();
+        CommandStats { calls }
+    }
+
+    pub(super) fn delta(before: &CommandStats, after: &CommandStats) -> CommandStats {
+        let calls = after
+            .calls
+            .iter()
+            .map(|(name, n)| {
+                let was = before
+                    .calls
+                    .iter()
+                    .find(|(b, _)| b == name)
+                    .map_or(0, |(_, b)| *b);
+                (name.clone(), n.saturating_sub(was))
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        CommandStats { calls }
+    }
+
+    pub(super) fn total(&self) -> u64 {
+        self.calls.iter().map(|(_, n)| n).sum()
+    }
+
+    /// The busiest commands, with `own` calls of `own_cmd` (the bench's) taken off.
+    pub(super) fn top(&self, n: usize, own_cmd: &str, own: u64) -> String {
+        let mut calls: Vec<(String, u64)> = self
+            .calls
+            .iter()
+            .map(|(c, k)| {
+                (
+                    c.clone(),
+                    if c == own_cmd {
+                        k.saturating_sub(own)
+                    } else {
+                        *k
+                    },
+                )
+            })
+            .filter(|(_, k)| *k > 0)
+            .collect();
+        calls.sort_by_key(|c| std::cmp::Reverse(c.1));
+        if calls.is_empty() {
+            return "none".to_owned();
+        }
+        calls
+            .iter()
+            .take(n)
+            .map(|(c, k)| format!("{c} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_urls_give_node_addresses_and_credentials() {
+        let Ok(t) = redis_target("redlock://app:p%40ss@10.0.0.1:7000,[::1]:7001,h/3") else {
+            unreachable!("parse failed")
+        };
+        let addrs: Vec<String> = t.nodes.iter().map(ToString::to_string).collect();
+        assert_eq!(addrs, ["10.0.0.1:7000", "[::1]:7001", "h:6379"]);
+        assert_eq!(t.user.as_deref(), Some("app"));
+        assert_eq!(t.password.as_deref(), Some("p@ss"));
+        assert_eq!(t.urls[0], "redis://app:p%40ss@10.0.0.1:7000/3");
+        assert_eq!(t.db, 3);
+        assert!(redis_target("sqlite:///tmp/x.db").is_err());
+    }
+
+    #[test]
+    fn commandstats_deltas() {
+        let before = CommandStats::parse(
+            "# Commandstats\r\ncmdstat_evalsha:calls=10,usec=5\r\ncmdstat_info:calls=2,usec=1\r\n",
+        );
+        let after = CommandStats::parse(
+            "# Commandstats\r\ncmdstat_evalsha:calls=30,usec=9\r\ncmdstat_info:calls=3,usec=1\r\n\
+             cmdstat_unlink:calls=4,usec=1\r\n",
+        );
+        let d = CommandStats::delta(&before, &after);
+        assert_eq!(d.total(), 25);
+        assert_eq!(d.top(4, "info", 1), "evalsha 20, unlink 4");
+    }
+}
