@@ -425,18 +425,24 @@ fn script_calls(server: &RedisServer) -> u64 {
         .sum()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt() {
-    let server = RedisServer::start().unwrap();
+/// A client holding `r`, after one acquire and release that loaded the scripts, so that counting
+/// calls afterwards counts no first NOSCRIPT try.
+async fn warm_holder_of_r(server: &RedisServer) -> (Client, fencelock::Lease) {
     let holder = connect(&server.url()).await;
-    let waiter = connect(&server.url()).await;
-    // Loads the release script, so that counting calls below counts no first NOSCRIPT try.
     let warm = holder.try_acquire("warm", &LockOptions::default()).await;
     warm.unwrap().release().await.unwrap();
-    let first = holder
+    let lease = holder
         .try_acquire("r", &LockOptions::default())
         .await
         .unwrap();
+    (holder, lease)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt() {
+    let server = RedisServer::start().unwrap();
+    let (holder, first) = warm_holder_of_r(&server).await;
+    let waiter = connect(&server.url()).await;
     let keys = holder.keys_for("r").unwrap();
     let (lock, queue) = (keys[0].1.clone(), keys[3].1.clone());
     // The waiter's next attempt would come seconds later; its queue entry lives 4 backoffs
@@ -494,13 +500,7 @@ fn command_calls(server: &RedisServer, command: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoffs_chain_through_every_queued_fair_waiter() {
     let server = RedisServer::start().unwrap();
-    let holder = connect(&server.url()).await;
-    let warm = holder.try_acquire("warm", &LockOptions::default()).await;
-    warm.unwrap().release().await.unwrap();
-    let first = holder
-        .try_acquire("r", &LockOptions::default())
-        .await
-        .unwrap();
+    let (holder, first) = warm_holder_of_r(&server).await;
     let keys = holder.keys_for("r").unwrap();
     let queue = keys[3].1.clone();
     let wait_flag = keys.iter().find(|(k, _)| *k == "wait").unwrap().1.clone();
