@@ -64,10 +64,8 @@ pub(crate) enum Attempt {
 /// The release announcements of one resource as waiters see them: the newest few, numbered.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Wake {
-    /// The number of the newest announcement; changes with every one, so that equal
-    /// announcements still register.
-    pub seq: u64,
-    /// The newest announcements, oldest first, at most [`Wake::KEPT`].
+    /// The newest announcements, oldest first, at most [`Wake::KEPT`], numbered from 1 so that
+    /// equal announcements still tell apart.
     pub recent: std::collections::VecDeque<Announcement>,
 }
 
@@ -86,16 +84,17 @@ impl Wake {
     /// Enough for the announcements of one release by every node of a Redlock set, and some.
     pub(crate) const KEPT: usize = 16;
 
+    /// The number of the newest announcement, 0 before the first.
+    pub(crate) fn seq(&self) -> u64 {
+        self.recent.back().map_or(0, |a| a.seq)
+    }
+
     pub(crate) fn push(&mut self, only: Option<String>, granted: Option<FencingToken>) {
-        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq().wrapping_add(1);
         if self.recent.len() == Self::KEPT {
             self.recent.pop_front();
         }
-        self.recent.push_back(Announcement {
-            seq: self.seq,
-            only,
-            granted,
-        });
+        self.recent.push_back(Announcement { seq, only, granted });
     }
 }
 

@@ -54,7 +54,7 @@ impl WakeRx {
                 }
             }
             let missed = oldest.is_none_or(|o| o.wrapping_sub(self.seen) > 1);
-            self.seen = w.seq;
+            self.seen = w.seq();
             if found.is_some() {
                 return found;
             }
@@ -82,7 +82,7 @@ impl Wakers {
             .or_insert_with(|| watch::channel(Wake::default()).0)
             .subscribe();
         // Announcements take the map's lock too, so this is the value the receiver has seen.
-        let seen = rx.borrow().seq;
+        let seen = rx.borrow().seq();
         WakeRx { rx, seen }
     }
 
