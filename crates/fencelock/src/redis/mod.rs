@@ -20,9 +20,9 @@
 //!   `appendfsync always` for correctness locks.
 //! - **Wake-ups.** A refused attempt sets the resource's `wait` flag; a release that finds it
 //!   publishes on the resource's wake channel (an uncontended release publishes nothing). Each
-//!   client keeps one pattern subscription per node and wakes the waiters of that resource. A waiter subscribes
-//!   before it sends its attempt, so a release right after a refusal is never missed; without a
-//!   message it sleeps no longer than the holder's remaining TTL.
+//!   client keeps one pattern subscription per node and wakes the waiters of that resource. A
+//!   waiter subscribes before it sends its attempt, so a release right after a refusal is never
+//!   missed; without a message it sleeps no longer than the holder's remaining TTL.
 //! - **Fairness.** By default woken waiters race and the fastest wins: no order, and a waiter
 //!   can in principle lose many races in a row. Fair mode ([`LockOptions::fair`]) keeps a FIFO
 //!   queue on the node: the lock is granted to the oldest waiter still asking; a waiter that
@@ -252,8 +252,11 @@ enum NodeAttempt {
 }
 
 fn unix_micros() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+    unix_micros_of(SystemTime::now())
+}
+
+fn unix_micros_of(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
@@ -337,9 +340,8 @@ impl RedisEngine {
         if self.nodes.len() == 1 {
             return 0;
         }
-        req.since.duration_since(UNIX_EPOCH).map_or(1, |d| {
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
-        })
+        // 0 is taken by "number them here".
+        unix_micros_of(req.since).max(1)
     }
 
     /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
