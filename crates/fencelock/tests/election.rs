@@ -4,27 +4,22 @@
 
 use std::time::Duration;
 
-use fencelock::{Client, ErrorKind, LockOptions};
+mod common;
+
+use common::{first_leader, FirstLeader};
+use fencelock::ErrorKind;
 use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
 use tokio::time::timeout;
 
 async fn check_election(url: &str) {
-    let a = Client::connect(url).await.unwrap();
-    let b = Client::connect(url).await.unwrap();
-    let observer = Client::connect(url).await.unwrap();
-    let election = observer.election("leader").unwrap();
-    let mut rx = election.observe().await.unwrap();
-    assert_eq!(*rx.borrow_and_update(), None);
-
-    let opts = LockOptions::default()
-        .ttl(Duration::from_secs(2))
-        .wait(Duration::from_secs(20));
-    let first = a
-        .election("leader")
-        .unwrap()
-        .campaign("node-a", &opts)
-        .await
-        .unwrap();
+    let FirstLeader {
+        second: b,
+        observed: election,
+        leaders: mut rx,
+        first,
+        opts,
+        ..
+    } = first_leader(url, "leader", "node-a").await;
     timeout(Duration::from_secs(5), rx.changed())
         .await
         .unwrap()
@@ -36,9 +31,14 @@ async fn check_election(url: &str) {
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
 
     let eb = b.election("leader").unwrap();
-    let second = tokio::spawn(async move { eb.campaign("node-b", &opts).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!second.is_finished(), "b led while a did");
+    let mut second = tokio::spawn(async move { eb.campaign("node-b", &opts).await });
+    // b must not lead while a does: its campaign does not end within this window.
+    assert!(
+        timeout(Duration::from_millis(300), &mut second)
+            .await
+            .is_err(),
+        "b led while a did"
+    );
     let old = first.token();
     first.resign().await.unwrap();
     let second = timeout(Duration::from_secs(10), second)

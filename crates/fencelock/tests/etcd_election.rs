@@ -1,8 +1,11 @@
 //! Leader election on a real 3-member etcd cluster.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::time::Duration;
 
+use common::{first_leader, FirstLeader};
 use fencelock::{Client, ErrorKind, Leader, LockOptions};
 use fencelock_testkit::EtcdCluster;
 use tokio::sync::watch;
@@ -19,22 +22,14 @@ async fn next_leader(rx: &mut watch::Receiver<Option<Leader>>) -> Option<Leader>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn campaign_observe_proclaim_resign() {
     let c = EtcdCluster::start(3).unwrap();
-    let a = Client::connect(&c.url()).await.unwrap();
-    let b = Client::connect(&c.url()).await.unwrap();
-    let watcher = Client::connect(&c.url()).await.unwrap();
-    let election = watcher.election("primary").unwrap();
-    let mut rx = election.observe().await.unwrap();
-    assert_eq!(*rx.borrow_and_update(), None);
-
-    let opts = LockOptions::default()
-        .ttl(Duration::from_secs(2))
-        .wait(Duration::from_secs(20));
-    let first = a
-        .election("primary")
-        .unwrap()
-        .campaign("a", &opts)
-        .await
-        .unwrap();
+    let FirstLeader {
+        second: b,
+        observer: watcher,
+        observed: election,
+        leaders: mut rx,
+        first,
+        opts,
+    } = first_leader(&c.url(), "primary", "a").await;
     let seen = next_leader(&mut rx).await.unwrap();
     assert_eq!((seen.value.as_str(), seen.token), ("a", first.token()));
 

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock::{Client, ErrorKind, LockOptions};
+use fencelock::{Client, Election, ErrorKind, Leader, Leadership, LockOptions};
+use tokio::sync::watch;
 use tokio::time::timeout;
 
 pub async fn connect(url: &str) -> Client {
@@ -126,4 +127,43 @@ pub fn hold_write_lock(path: &std::path::Path, hold: Duration) -> std::thread::J
     });
     ready.recv().unwrap();
     handle
+}
+
+/// An election `name` at `url` with its first leader: an observer that saw nobody lead, then a
+/// first campaigner elected with `value`, and a second client ready to campaign.
+pub struct FirstLeader {
+    pub second: Client,
+    /// The observer's own client, free for operator actions.
+    pub observer: Client,
+    pub observed: Election,
+    pub leaders: watch::Receiver<Option<Leader>>,
+    pub first: Leadership,
+    /// The campaign options both campaigners use: a short TTL, a long wait.
+    pub opts: LockOptions,
+}
+
+pub async fn first_leader(url: &str, name: &str, value: &str) -> FirstLeader {
+    let first_client = connect(url).await;
+    let second = connect(url).await;
+    let observer = connect(url).await;
+    let observed = observer.election(name).unwrap();
+    let mut leaders = observed.observe().await.unwrap();
+    assert_eq!(*leaders.borrow_and_update(), None);
+    let opts = LockOptions::default()
+        .ttl(Duration::from_secs(2))
+        .wait(Duration::from_secs(20));
+    let first = first_client
+        .election(name)
+        .unwrap()
+        .campaign(value, &opts)
+        .await
+        .unwrap();
+    FirstLeader {
+        second,
+        observer,
+        observed,
+        leaders,
+        first,
+        opts,
+    }
 }
