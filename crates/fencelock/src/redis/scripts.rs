@@ -290,11 +290,11 @@ return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET
 /// floor (0: the server's clock in µs), wake channel, audit max length, then the record's own
 /// fields as name, value pairs.
 ///
-/// Reply: `{1, counter, old owner, meta or nil, renewed_at (ms) or nil}` when released, `{0}` when the lock is free or
-/// held by another owner. The counter becomes `max(counter + 1, floor)`, as a grant would make
-/// it, so the next grant's token is above it. The record gets the old holder's fields from the
-/// metadata (only if it belongs to the owner being deleted), its last renewal read from the TTL
-/// and what was left of it, and the new counter.
+/// Reply: `{1, counter, old owner, meta or nil, renewed_at (ms) or nil}` when released, `{0}`
+/// when the lock is free or held by another owner. The counter becomes `max(counter + 1,
+/// floor)`, as a grant would make it, so the next grant's token is above it. The record gets
+/// the old holder's fields from the metadata (only if it belongs to the owner being deleted),
+/// its last renewal read from the TTL and what was left of it, and the new counter.
 pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
