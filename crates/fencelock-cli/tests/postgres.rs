@@ -4,11 +4,10 @@
 
 mod child;
 
-use std::io::Read;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use child::{fencelock, Proc, BIN};
+use child::{assert_lost_within, fencelock, hold, Proc, BIN};
 use fencelock_testkit::{wait_until, PgServer};
 
 fn query(server: &PgServer, sql: &str) -> String {
@@ -26,51 +25,13 @@ fn advisory_key(url: &str, name: &str) -> i64 {
     line.unwrap()["advisory\t".len()..].parse().unwrap()
 }
 
-/// Starts `fencelock run NAME` holding the lock (30 s TTL) until killed; returns once the
-/// command runs.
-fn hold(url: &str, dir: &tempfile::TempDir) -> Proc {
-    let ready = dir.path().join("ready");
-    let script = format!("touch {}; exec sleep 100", ready.display());
-    let child = Proc(
-        fencelock(
-            url,
-            &["run", "--ttl", "30s", "job", "--", "sh", "-c", &script],
-        )
-        .spawn()
-        .unwrap(),
-    );
-    assert!(wait_until(Duration::from_secs(10), || ready.exists()));
-    child
-}
-
-/// Waits for `fencelock run` to exit; it must exit 79 (lease lost) within `limit`.
-fn assert_lost_within(mut child: Proc, limit: Duration) {
-    let since = Instant::now();
-    let mut status = None;
-    assert!(wait_until(Duration::from_secs(10), || {
-        status = child.0.try_wait().unwrap();
-        status.is_some()
-    }));
-    assert_eq!(status.unwrap().code(), Some(79));
-    assert!(since.elapsed() < limit, "{:?}", since.elapsed());
-    let mut err = String::new();
-    child
-        .0
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(err.contains("lost"), "{err}");
-}
-
 #[test]
 fn key_is_the_advisory_lock_psql_takes() {
     let server = PgServer::start().unwrap();
     let url = server.url();
     let k = advisory_key(&url, "job");
     let dir = tempfile::tempdir().unwrap();
-    let holder = hold(&url, &dir);
+    let holder = hold(&url, "30s", &dir);
     assert_eq!(
         query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
         "f"
@@ -100,7 +61,7 @@ fn run_is_terminated_when_its_backend_is() {
     let url = server.url();
     let k = advisory_key(&url, "job");
     let dir = tempfile::tempdir().unwrap();
-    let holder = hold(&url, &dir);
+    let mut holder = hold(&url, "30s", &dir);
     let ended = query(
         &server,
         &format!(
@@ -110,7 +71,7 @@ fn run_is_terminated_when_its_backend_is() {
     );
     assert_eq!(ended, "t");
     // Far sooner than the 30 s TTL would tell.
-    assert_lost_within(holder, Duration::from_secs(5));
+    assert_lost_within(&mut holder, Duration::from_secs(5), &url);
 }
 
 #[test]
@@ -118,9 +79,9 @@ fn run_is_terminated_when_the_server_restarts() {
     let mut server = PgServer::start().unwrap();
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();
-    let holder = hold(&url, &dir);
+    let mut holder = hold(&url, "30s", &dir);
     server.restart().unwrap();
-    assert_lost_within(holder, Duration::from_secs(5));
+    assert_lost_within(&mut holder, Duration::from_secs(5), &url);
 }
 
 /// `fencelock bench` on PostgreSQL prints the pgbench reference of the same statements and

@@ -4,9 +4,9 @@
 mod child;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use child::{fencelock, Proc};
+use child::{assert_lost_within, fencelock, hold, Proc};
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
 
 fn read(path: &Path) -> String {
@@ -98,41 +98,10 @@ fn run_terminates_its_command_when_every_node_dies() {
         let mut nodes = start_redis_nodes(n).unwrap();
         let url = backend_url(&nodes);
         let dir = tempfile::tempdir().unwrap();
-        let ready = dir.path().join("ready");
-        let script = format!("touch {}; exec sleep 100", ready.display());
-        let mut child = Proc(
-            fencelock(
-                &url,
-                &["run", "--ttl", "1s", "job", "--", "sh", "-c", &script],
-            )
-            .spawn()
-            .unwrap(),
-        );
-        assert!(wait_until(Duration::from_secs(10), || ready.exists()));
+        let mut child = hold(&url, "1s", &dir);
         for node in &mut nodes {
             node.kill();
         }
-        let killed = Instant::now();
-        let mut status = None;
-        assert!(wait_until(Duration::from_secs(5), || {
-            status = child.0.try_wait().unwrap();
-            status.is_some()
-        }));
-        assert_eq!(status.unwrap().code(), Some(79), "{n} node(s)");
-        assert!(
-            killed.elapsed() < Duration::from_secs(2),
-            "{:?}",
-            killed.elapsed()
-        );
-        let mut err = String::new();
-        use std::io::Read;
-        child
-            .0
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
-        assert!(err.contains("lost"), "{err}");
+        assert_lost_within(&mut child, Duration::from_secs(2), &format!("{n} node(s)"));
     }
 }
