@@ -111,40 +111,44 @@ impl ClientBuilder {
 }
 
 async fn open_engine(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
+    // Unused when the build has no engine that needs it.
+    let _ = cfg;
     match backend {
         #[cfg(feature = "sqlite")]
         Backend::Sqlite { path } => Ok(Arc::new(
             crate::sqlite::SqliteEngine::open(path, cfg).await?,
         )),
         #[cfg(not(feature = "sqlite"))]
-        Backend::Sqlite { .. } => Err(Error::invalid(
-            "this build of fencelock lacks the `sqlite` feature",
-        )),
+        Backend::Sqlite { .. } => Err(left_out("sqlite")),
         #[cfg(feature = "redis")]
         Backend::Redis { .. } => crate::redis::open(backend, cfg).await,
         #[cfg(not(feature = "redis"))]
-        Backend::Redis { .. } => {
-            let _ = cfg;
-            Err(Error::invalid(
-                "this build of fencelock lacks the `redis` feature",
-            ))
-        }
+        Backend::Redis { .. } => Err(left_out("redis")),
         #[cfg(feature = "postgres")]
         Backend::Postgres { .. } => crate::postgres::open(backend, cfg).await,
         #[cfg(not(feature = "postgres"))]
-        Backend::Postgres { .. } => {
-            let _ = cfg;
-            Err(Error::invalid(
-                "this build of fencelock lacks the `postgres` feature",
-            ))
-        }
+        Backend::Postgres { .. } => Err(left_out("postgres")),
         #[cfg(feature = "etcd")]
         Backend::Etcd { .. } => crate::etcd::open(backend, cfg).await,
         #[cfg(not(feature = "etcd"))]
-        Backend::Etcd { .. } => Err(Error::invalid(
-            "this build of fencelock lacks the `etcd` feature",
-        )),
+        Backend::Etcd { .. } => Err(left_out("etcd")),
     }
+}
+
+/// The error for a URL whose engine this build was compiled without.
+#[cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "redis",
+        feature = "postgres",
+        feature = "etcd"
+    ),
+    allow(dead_code)
+)]
+fn left_out(feature: &str) -> Error {
+    Error::invalid(format!(
+        "this build of fencelock lacks the `{feature}` feature"
+    ))
 }
 
 impl Client {
