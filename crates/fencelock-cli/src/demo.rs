@@ -72,7 +72,7 @@ pub async fn demo(args: DemoArgs) -> Result<u8> {
     println!(
         "fencelock demo: {WORKERS} workers race for {job:?} on {} (TTL {})",
         client.url(),
-        fencelock::display_duration(ttl)
+        crate::human_duration(ttl)
     );
 
     // Round 1: everyone tries once; exactly one wins. The winner's renewals are off to stand
@@ -130,7 +130,7 @@ pub async fn demo(args: DemoArgs) -> Result<u8> {
     tokio::time::sleep(pause_left).await;
     tl.log(format!(
         "worker {first} wakes up after {} and carries on (it still thinks it holds the job)",
-        fencelock::display_duration(ttl * 2)
+        crate::human_duration(ttl * 2)
     ));
     let mut rejected = 0;
     for c in CUSTOMERS {

@@ -59,9 +59,13 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
         unreachable: 0,
     };
     match &backend {
-        fencelock::Backend::Sqlite { path } => sqlite(&args, path, &mut f).await?,
-        fencelock::Backend::Etcd { .. } => etcd(&args, &mut f).await,
-        _ => redis_nodes(&backend, &mut f).await,
+        #[cfg(feature = "sqlite")]
+        fencelock::Backend::Sqlite(u) => sqlite(&args, &u.path, &mut f).await?,
+        #[cfg(feature = "etcd")]
+        fencelock::Backend::Etcd(_) => etcd(&args, &mut f).await,
+        #[cfg(feature = "redis")]
+        fencelock::Backend::Redis(u) => redis_nodes(u, &mut f).await,
+        _ => {}
     }
     ttl_advice(&args, &mut f).await;
     println!(
@@ -80,6 +84,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
     })
 }
 
+#[cfg(feature = "etcd")]
 /// etcd: one linearizable read through the library (it needs a leader and a quorum).
 async fn etcd(args: &DoctorArgs, f: &mut Findings) {
     let started = std::time::Instant::now();
@@ -91,7 +96,7 @@ async fn etcd(args: &DoctorArgs, f: &mut Findings) {
     match client.inspect("fencelock-doctor").await {
         Ok(_) => f.ok(&format!(
             "cluster answered a linearizable read in {}",
-            fencelock::display_duration(started.elapsed())
+            crate::human_duration(started.elapsed())
         )),
         Err(e) => {
             f.unreachable += 1;
@@ -109,7 +114,7 @@ async fn sqlite(args: &DoctorArgs, path: &std::path::Path, f: &mut Findings) -> 
     client.inspect("fencelock-doctor").await.map_err(fail)?;
     f.ok(&format!(
         "opened and queried in {}",
-        fencelock::display_duration(started.elapsed())
+        crate::human_duration(started.elapsed())
     ));
     f.ok("expiry on CLOCK_BOOTTIME: wall-clock jumps do not move it");
     println!("  note  SQLite locks hold between processes of this machine only");
@@ -117,20 +122,18 @@ async fn sqlite(args: &DoctorArgs, path: &std::path::Path, f: &mut Findings) -> 
 }
 
 #[cfg(feature = "redis")]
-async fn redis_nodes(backend: &fencelock::Backend, f: &mut Findings) {
-    let fencelock::Backend::Redis { nodes, quorum, .. } = backend else {
-        return;
-    };
+async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
+    let (nodes, quorum) = (&url.nodes, url.quorum);
     let mut offsets = Vec::new();
     let mut run_ids = Vec::new();
-    for (node, url) in nodes.iter().zip(backend.redis_node_urls()) {
+    for (node, url) in nodes.iter().zip(url.node_urls()) {
         println!("node {node}");
         match tokio::time::timeout(Duration::from_secs(5), probe(&url)).await {
             Ok(Ok(p)) => {
                 f.ok(&format!(
                     "reachable, Redis {}, round trip p50 {}",
                     p.version,
-                    fencelock::display_duration(p.rtt)
+                    crate::human_duration(p.rtt)
                 ));
                 f.ok(&format!(
                     "clock offset {:+.1} ms against this machine",
@@ -181,7 +184,7 @@ async fn redis_nodes(backend: &fencelock::Backend, f: &mut Findings) {
             f.warn("two URLs reach the same server: Redlock needs independent nodes");
         }
     }
-    if *quorum {
+    if quorum {
         let quorum_size = nodes.len() / 2 + 1;
         if nodes.len() - f.unreachable < quorum_size {
             f.warn(&format!(
@@ -193,11 +196,6 @@ async fn redis_nodes(backend: &fencelock::Backend, f: &mut Findings) {
     } else {
         println!("  note  one node: a restart without persistence loses its locks; use redlock:// for a quorum");
     }
-}
-
-#[cfg(not(feature = "redis"))]
-async fn redis_nodes(_: &fencelock::Backend, f: &mut Findings) {
-    f.warn("this build of fencelock lacks the `redis` feature");
 }
 
 #[cfg(feature = "redis")]
@@ -285,13 +283,13 @@ async fn ttl_advice(args: &DoctorArgs, f: &mut Findings) {
     let advice = p99 * 3;
     let text = format!(
         "hold p99 {}: a TTL of at least {} (3 x p99)",
-        fencelock::display_duration(p99),
-        fencelock::display_duration(advice)
+        crate::human_duration(p99),
+        crate::human_duration(advice)
     );
     match args.ttl {
         Some(ttl) if ttl < advice => f.warn(&format!(
             "{text}; the TTL in use, {}, is shorter",
-            fencelock::display_duration(ttl)
+            crate::human_duration(ttl)
         )),
         _ => f.ok(&text),
     }

@@ -129,6 +129,23 @@ pub struct RunArgs {
     pub command: Vec<String>,
 }
 
+/// Formats a duration as people write it and as `--ttl` takes it (`250ms`, `1.5s`, `2m`).
+pub(crate) fn human_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        if d.as_micros() % 1000 != 0 && ms < 10 {
+            return format!("{:.1}ms", d.as_secs_f64() * 1000.0);
+        }
+        format!("{ms}ms")
+    } else if ms % 60_000 == 0 {
+        format!("{}m", ms / 60_000)
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim())
         .map_err(|e| format!("{s:?} is not a duration ({e}); write it like 500ms, 30s or 2m"))

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Result;
 use clap::Args;
-use fencelock::{display_duration, AuditRecord, ForceRelease, HeldLock, Holder};
+use fencelock::{AuditRecord, ForceRelease, HeldLock, Holder};
 
 use crate::{connect, fail, BackendArg};
 
@@ -162,7 +162,7 @@ pub async fn audit(args: AuditArgs) -> Result<u8> {
 
 fn ago(t: SystemTime) -> String {
     match SystemTime::now().duration_since(t) {
-        Ok(d) => format!("{} ago", display_duration(round_ms(d))),
+        Ok(d) => format!("{} ago", crate::human_duration(round_ms(d))),
         Err(_) => "in the future (clock skew)".to_owned(),
     }
 }
@@ -197,7 +197,7 @@ fn held_text(name: &str, h: &Holder) -> String {
         "last renewal",
         a.since_renewal.map_or_else(
             || "-".to_owned(),
-            |d| format!("{} ago", display_duration(round_ms(d))),
+            |d| format!("{} ago", crate::human_duration(round_ms(d))),
         ),
     );
     line(
@@ -205,10 +205,10 @@ fn held_text(name: &str, h: &Holder) -> String {
         match (h.ttl_left, h.ttl) {
             (Some(left), Some(ttl)) => format!(
                 "{} of {}",
-                display_duration(round_ms(left)),
-                display_duration(ttl)
+                crate::human_duration(round_ms(left)),
+                crate::human_duration(ttl)
             ),
-            (Some(left), None) => display_duration(round_ms(left)),
+            (Some(left), None) => crate::human_duration(round_ms(left)),
             _ => "-".to_owned(),
         },
     );
@@ -232,10 +232,10 @@ fn table(locks: &[HeldLock]) -> String {
                 optional(h.pid),
                 optional(h.client.as_deref()),
                 h.ttl_left
-                    .map_or_else(|| "-".into(), |d| display_duration(round_ms(d))),
+                    .map_or_else(|| "-".into(), |d| crate::human_duration(round_ms(d))),
                 a.since_renewal.map_or_else(
                     || "-".into(),
-                    |d| format!("{} ago", display_duration(round_ms(d))),
+                    |d| format!("{} ago", crate::human_duration(round_ms(d))),
                 ),
                 a.verdict.to_string(),
             ]

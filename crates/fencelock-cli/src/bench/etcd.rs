@@ -29,13 +29,13 @@ impl EtcdReference {
     /// Connects to the cluster of an `etcd://` URL.
     pub(super) async fn open(url: &str, run: &str) -> Result<EtcdReference, String> {
         let backend = fencelock::Backend::parse(url).map_err(|e| e.to_string())?;
-        let fencelock::Backend::Etcd {
+        let fencelock::Backend::Etcd(fencelock::EtcdUrl {
             tls,
             endpoints,
             user,
             password,
             ..
-        } = backend
+        }) = backend
         else {
             return Err("not an etcd backend".to_owned());
         };

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use fencelock::{Backend, PgMode};
+use fencelock::{Backend, PgMode, PostgresUrl};
 
 use super::plumbing::{rate, Out, Stop};
 
@@ -40,9 +40,9 @@ pub(super) async fn reference(url: &str, seconds: u64, out: &mut Out, stop: &Sto
 }
 
 async fn measure(url: &str, seconds: u64, out: &mut Out, stop: &Stop) -> Result<(), String> {
-    let Ok(Backend::Postgres {
+    let Ok(Backend::Postgres(PostgresUrl {
         url, mode, pool, ..
-    }) = Backend::parse(url)
+    })) = Backend::parse(url)
     else {
         return Err("not a PostgreSQL backend".to_owned());
     };

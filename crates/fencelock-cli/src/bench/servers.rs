@@ -7,14 +7,14 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use anyhow::Result;
-use fencelock::{Client, RedisNode};
+use fencelock::{Client, HostPort};
 
 use super::reference::{Reference, REFERENCE_SET_KEY};
 use crate::{exit, Exit};
 
 /// The parts of a `redis://` or `redlock://` URL the bench needs to reach the nodes itself.
 pub(super) struct RedisTarget {
-    pub(super) nodes: Vec<RedisNode>,
+    pub(super) nodes: Vec<HostPort>,
     /// One `redis://` URL per node, credentials included, for the redis crate.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(super) urls: Vec<String>,
@@ -24,21 +24,14 @@ pub(super) struct RedisTarget {
 }
 
 fn redis_target(url: &str) -> std::result::Result<RedisTarget, String> {
-    let backend = fencelock::Backend::parse(url).map_err(|e| e.to_string())?;
-    let urls = backend.redis_node_urls();
-    match backend {
-        fencelock::Backend::Redis {
-            nodes,
-            user,
-            password,
-            db,
-            ..
-        } => Ok(RedisTarget {
-            nodes,
-            urls,
-            user,
-            password,
-            db,
+    match fencelock::Backend::parse(url).map_err(|e| e.to_string())? {
+        #[cfg(feature = "redis")]
+        fencelock::Backend::Redis(u) => Ok(RedisTarget {
+            urls: u.node_urls(),
+            nodes: u.nodes,
+            user: u.user,
+            password: u.password,
+            db: u.db,
         }),
         _ => Err("not a Redis backend".to_owned()),
     }

@@ -59,11 +59,11 @@ use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, CONTRO
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::core::error::{Error, ErrorKind, Result};
+use crate::core::lease::Lease;
+use crate::core::name::validate_name;
+use crate::core::token::FencingToken;
 use crate::fence::MemoryFence;
-use crate::lease::Lease;
-use crate::name::validate_name;
-use crate::token::FencingToken;
 
 /// The request header carrying the fencing token, a decimal `u64`.
 pub const FENCING_TOKEN: HeaderName = HeaderName::from_static("fencing-token");

@@ -3,8 +3,8 @@
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Mutex;
 
-use crate::error::{Error, Result};
-use crate::token::FencingToken;
+use crate::core::error::{Error, Result};
+use crate::core::token::FencingToken;
 
 /// Remembers the highest token per resource in memory; the check and the write happen under
 /// one lock, so a stale writer can never slip in between.
@@ -40,12 +40,12 @@ impl MemoryFence {
         let seen = match highest.entry(resource.to_owned()) {
             Entry::Occupied(e) => e.into_mut(),
             Entry::Vacant(e) => {
-                crate::metrics::fence_met(resource);
+                crate::core::metrics::fence_met(resource);
                 e.insert(0)
             }
         };
         if token.get() < *seen {
-            crate::metrics::stale_token_rejected(resource);
+            crate::core::metrics::stale_token_rejected(resource);
             return Err(Error::stale_token(
                 resource,
                 token,

@@ -5,8 +5,8 @@ use std::pin::Pin;
 
 use tokio_postgres::{Client, Transaction};
 
-use crate::error::{Error, Result};
-use crate::token::FencingToken;
+use crate::core::error::{Error, Result};
+use crate::core::token::FencingToken;
 
 const ENGINE: &str = "postgres";
 
@@ -202,7 +202,7 @@ impl PgFence {
                 .map_err(|e| self.failure(resource, "reading the highest fencing token", e))?,
             None => 0,
         };
-        crate::metrics::stale_token_rejected(resource);
+        crate::core::metrics::stale_token_rejected(resource);
         Err(Error::stale_token(resource, token, from_bigint(highest)))
     }
 
@@ -274,7 +274,7 @@ impl PgFence {
     pub fn stale_row(resource: &str, presented: FencingToken, highest: i64) -> Option<Error> {
         let highest = from_bigint(highest);
         (presented < highest).then(|| {
-            crate::metrics::stale_token_rejected(resource);
+            crate::core::metrics::stale_token_rejected(resource);
             Error::stale_token(resource, presented, highest)
         })
     }

@@ -3,8 +3,8 @@
 
 use redis::aio::ConnectionManager;
 
-use crate::error::{Error, Result};
-use crate::token::FencingToken;
+use crate::core::error::{Error, Result};
+use crate::core::token::FencingToken;
 
 const ENGINE: &str = "redis";
 
@@ -128,7 +128,7 @@ impl RedisFence {
         let mut conn = self.conn.clone();
         match inv.invoke_async::<redis::Value>(&mut conn).await {
             Ok(v) => {
-                crate::metrics::fence_met(resource);
+                crate::core::metrics::fence_met(resource);
                 Ok(v)
             }
             Err(e) if e.code() == Some(STALE) => {
@@ -136,7 +136,7 @@ impl RedisFence {
                     .detail()
                     .and_then(|d| d.trim().parse::<u64>().ok())
                     .unwrap_or(0);
-                crate::metrics::stale_token_rejected(resource);
+                crate::core::metrics::stale_token_rejected(resource);
                 Err(Error::stale_token(
                     resource,
                     token,

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use tokio_postgres::Client;
 
 use super::{millis, pg_error, table_ident};
-use crate::error::{Error, ErrorKind, Result};
+use crate::core::error::{Error, ErrorKind, Result};
 
 /// Runs a side effect at most once per idempotency key, whatever the number of callers.
 ///
@@ -175,7 +175,7 @@ impl Idempotency {
                     ErrorKind::TimedOut,
                     format!(
                         "the call that claimed idempotency key {key:?} did not finish within {}",
-                        crate::options::display_duration(self.wait)
+                        crate::core::options::display_duration(self.wait)
                     ),
                 )
                 .with_engine(super::ENGINE));

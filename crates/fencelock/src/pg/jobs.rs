@@ -5,7 +5,7 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use super::{index_name, millis, pg_error, table_ident};
-use crate::error::Result;
+use crate::core::error::Result;
 
 /// A job queue in one table: workers claim batches of ready jobs, complete them or fail them.
 ///
@@ -98,7 +98,7 @@ impl JobQueue {
     pub async fn install(&self, client: &Client) -> Result<()> {
         let t = &self.table;
         let idx = index_name(&self.raw, "claimable");
-        let lock = crate::postgres::advisory_key("fencelock:", "pg-helpers-install");
+        let lock = crate::engines::postgres::advisory_key("fencelock:", "pg-helpers-install");
         // One DO statement: atomic and serialised without a transaction on the caller's
         // client, which may be shared.
         client

@@ -28,7 +28,7 @@ pub use optimistic::{Versioned, VersionedTable};
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
 
 const ENGINE: &str = "postgres";
 

@@ -6,7 +6,7 @@ use rand::Rng;
 use tokio_postgres::Client;
 
 use super::{pg_error, table_ident};
-use crate::error::{Error, ErrorKind, Result};
+use crate::core::error::{Error, ErrorKind, Result};
 
 /// A table of versioned values (`key text PRIMARY KEY, version bigint, value text`) updated
 /// without locks: a writer reads the value and its version, computes the new value, and

@@ -72,7 +72,7 @@ use std::time::Duration;
 
 use metrics::Unit;
 
-use crate::error::ErrorKind;
+use crate::core::error::ErrorKind;
 
 /// The number of distinct resource names used as label values before folding into `other`.
 pub const MAX_RESOURCE_LABELS: usize = 200;
@@ -157,7 +157,7 @@ pub fn describe() {
 pub(crate) fn resource_label(resource: &str) -> String {
     static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     // An invalid name may be huge or full of control characters: never a label.
-    if crate::name::validate_name(resource).is_err() {
+    if crate::core::name::validate_name(resource).is_err() {
         return "other".to_owned();
     }
     let mut seen = SEEN

@@ -24,11 +24,11 @@ use redis::Value;
 use super::{
     as_i64, as_string, holder_from, keys, scripts, unix_micros, Node, NodeResult, RedisEngine,
 };
-use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, Holder};
-use crate::runbook::{AuditRecord, HeldLock};
-use crate::token::FencingToken;
+use crate::core::engine::Engine;
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, Holder};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
 
 /// The length Redis trims each audit stream to (approximately, `MAXLEN ~`, which trims whole
 /// macro nodes and so costs nothing per append).

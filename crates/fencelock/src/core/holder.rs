@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::token::FencingToken;
+use crate::core::token::FencingToken;
 
 /// Who holds a lock, as the engine recorded it at grant and renewal time.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,7 @@ impl fmt::Display for Holder {
             write!(f, ", token {token}")?;
         }
         if let Some(left) = self.ttl_left {
-            write!(f, ", {} left", crate::options::display_duration(left))?;
+            write!(f, ", {} left", crate::core::options::display_duration(left))?;
         }
         Ok(())
     }

@@ -13,18 +13,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::core::call::Calls;
+use crate::core::engine::{Engine, LossFeed, Renewal, Renewed};
+use crate::core::error::Result;
+use crate::core::lease::LeaseState;
+use crate::core::metrics::Loss;
+use crate::core::options::{drift, renew_interval};
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::Instrument;
-
-use crate::client::{engine_span, record_outcome};
-use crate::engine::{Engine, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::lease::LeaseState;
-use crate::metrics::Loss;
-use crate::options::{drift, renew_interval};
 
 /// Consecutive failed renewals after which a lease is declared lost.
 const MAX_FAILED_RENEWALS: u32 = 2;
@@ -43,6 +41,7 @@ struct Shared {
     planned: Mutex<Option<Instant>>,
     changed: Notify,
     engine: Arc<dyn Engine>,
+    calls: Calls,
     op_timeout: Duration,
     tasks: TaskTracker,
 }
@@ -59,17 +58,26 @@ struct BatchResult {
 }
 
 impl Watchdog {
-    pub(crate) fn start(engine: Arc<dyn Engine>, op_timeout: Duration, tasks: TaskTracker) -> Self {
+    /// Starts the renewal task of a client; `losses` is the engine's feed of leases lost as it
+    /// happens, if it has one.
+    pub(crate) fn start(
+        engine: Arc<dyn Engine>,
+        losses: Option<LossFeed>,
+        calls: Calls,
+        op_timeout: Duration,
+        tasks: TaskTracker,
+    ) -> Self {
         let shared = Arc::new(Shared {
             entries: Mutex::new(HashMap::new()),
             planned: Mutex::new(None),
             changed: Notify::new(),
             engine,
+            calls,
             op_timeout,
             tasks,
         });
         let shutdown = CancellationToken::new();
-        tokio::spawn(run(shared.clone(), shutdown.clone()));
+        tokio::spawn(run(shared.clone(), losses, shutdown.clone()));
         Watchdog { shared, shutdown }
     }
 
@@ -196,17 +204,17 @@ impl Shared {
     fn apply(&self, result: BatchResult) {
         let now = Instant::now();
         let mut entries = self.lock();
-        let outcomes: Vec<Result<Renewed, String>> = match &result.outcome {
-            Ok(v) if v.len() == result.ids.len() => v.iter().map(|r| Ok(*r)).collect(),
+        let outcomes: Vec<Renewed> = match result.outcome {
+            Ok(v) if v.len() == result.ids.len() => v,
             Ok(v) => vec![
-                Err(format!(
+                Renewed::Failed(format!(
                     "the engine answered {} renewals for {} leases",
                     v.len(),
                     result.ids.len()
                 ));
                 result.ids.len()
             ],
-            Err(e) => vec![Err(e.to_string()); result.ids.len()],
+            Err(e) => vec![Renewed::Failed(e.to_string()); result.ids.len()],
         };
         for (id, outcome) in result.ids.iter().zip(outcomes) {
             let Some(e) = entries.get_mut(id) else {
@@ -215,7 +223,7 @@ impl Shared {
             e.in_flight = false;
             let in_time = now < e.lease.deadline();
             e.lease
-                .renewal_attempted(in_time && matches!(outcome, Ok(Renewed::Extended)));
+                .renewal_attempted(in_time && outcome == Renewed::Extended);
             if !in_time {
                 e.lease.mark_lost(
                     Loss::Expired,
@@ -225,11 +233,11 @@ impl Shared {
                 continue;
             }
             let msg = match outcome {
-                Ok(Renewed::Extended) => {
+                Renewed::Extended => {
                     apply_success(e, result.started);
                     continue;
                 }
-                Ok(Renewed::NotHolder) => {
+                Renewed::NotHolder => {
                     e.lease.mark_lost(
                         Loss::NotHolder,
                         "the engine no longer lists this owner as holder: the lock expired or \
@@ -239,8 +247,7 @@ impl Shared {
                     entries.remove(id);
                     continue;
                 }
-                Ok(Renewed::Unconfirmed) => "too few nodes confirmed the renewal".to_owned(),
-                Err(msg) => msg,
+                Renewed::Failed(msg) => msg,
             };
             e.failures += 1;
             tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");
@@ -266,7 +273,7 @@ impl Shared {
 
     /// Marks lost the leases of `first` and of every other owner already queued in `more`, in
     /// one pass over the entries: a dropped session may take thousands of leases at once.
-    fn lost_owners(&self, first: String, more: Option<&mut mpsc::UnboundedReceiver<String>>) {
+    fn lost_owners(&self, first: String, more: Option<&mut LossFeed>) {
         let mut owners = std::collections::HashSet::from([first]);
         if let Some(rx) = more {
             while let Ok(owner) = rx.try_recv() {
@@ -290,14 +297,11 @@ impl Shared {
     /// it (owner-checked) frees the resource sooner than its expiry would.
     fn release_in_background(self: &Shared, lease: Arc<LeaseState>) {
         let engine = self.engine.clone();
+        let calls = self.calls.clone();
         let op_timeout = self.op_timeout;
-        let span = engine_span(engine.kind(), &lease.resource);
         self.tasks.spawn(async move {
-            let answer =
-                tokio::time::timeout(op_timeout, engine.release(&lease.resource, &lease.owner))
-                    .instrument(span.clone())
-                    .await;
-            record_outcome(&span, answer.as_ref().map(|r| r.as_ref().map(|_| ())));
+            let release = engine.release(&lease.resource, &lease.owner);
+            let _ = calls.traced(&lease.resource, op_timeout, release).await;
         });
     }
 }
@@ -313,7 +317,7 @@ fn apply_success(e: &mut Entry, started: Instant) {
 }
 
 /// The next owner the engine reports lost; never completes without a feed (or once it closed).
-async fn next_loss(feed: &mut Option<mpsc::UnboundedReceiver<String>>) -> Option<String> {
+async fn next_loss(feed: &mut Option<LossFeed>) -> Option<String> {
     match feed {
         Some(rx) => match rx.recv().await {
             Some(owner) => Some(owner),
@@ -333,9 +337,8 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
+async fn run(shared: Arc<Shared>, mut losses: Option<LossFeed>, shutdown: CancellationToken) {
     let (tx, mut rx) = mpsc::unbounded_channel::<BatchResult>();
-    let mut losses = shared.engine.take_loss_feed();
     loop {
         let wake = shared.next_wake();
         tokio::select! {
@@ -355,28 +358,18 @@ async fn run(shared: Arc<Shared>, shutdown: CancellationToken) {
                 .unwrap_or(shared.op_timeout)
                 .min(shared.op_timeout);
             let engine = shared.engine.clone();
+            let calls = shared.calls.clone();
             let tx = tx.clone();
-            let span = match batch.as_slice() {
-                [one] => engine_span(engine.kind(), &one.name),
-                many => engine_span(engine.kind(), &format!("{} leases", many.len())),
+            let label = match batch.as_slice() {
+                [one] => one.name.clone(),
+                many => format!("{} leases", many.len()),
             };
             // Renewals are not cleanup work: `Client::close` must not wait on them.
             tokio::spawn(async move {
                 let started = Instant::now();
-                let answer = tokio::time::timeout(call_timeout, engine.extend(&batch))
-                    .instrument(span.clone())
+                let outcome = calls
+                    .traced(&label, call_timeout, engine.extend(&batch))
                     .await;
-                record_outcome(&span, answer.as_ref().map(|r| r.as_ref().map(|_| ())));
-                let outcome = match answer {
-                    Ok(r) => r,
-                    Err(_) => Err(Error::engine_failure(
-                        engine.kind(),
-                        format!(
-                            "no answer to a renewal within {}",
-                            crate::options::display_duration(call_timeout)
-                        ),
-                    )),
-                };
                 let _ = tx.send(BatchResult {
                     ids,
                     started,

@@ -39,6 +39,7 @@
 pub(crate) mod keys;
 mod runbook;
 mod scripts;
+pub(crate) mod url;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -52,27 +53,27 @@ use redis::Value;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::Backend;
-use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder, HolderMeta};
-use crate::runbook::{AuditRecord, HeldLock};
-use crate::token::FencingToken;
-use crate::wakers::{keep_listening, Wakers};
+use crate::core::engine::{
+    AcquireRequest, Attempt, Engine, EngineConfig, FairQueue, Opened, Renewal, Renewed,
+};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, unix_millis, Holder, HolderMeta};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
+use crate::core::wake::{keep_listening, Wakers};
 use keys::Keys;
+use url::RedisUrl;
 
 /// Leases per extension script call: keeps each call's argument list and run time small.
 const EXTEND_CHUNK: usize = 1000;
 
-pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
-    let urls = backend.redis_node_urls();
-    let Backend::Redis {
+/// Opens the nodes of `url`: the lock, and a FIFO queue of waiters on every node (fair mode).
+pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
+    let urls = url.node_urls();
+    let kind = url.engine();
+    let RedisUrl {
         tls, quorum, nodes, ..
-    } = backend
-    else {
-        return Err(Error::invalid("not a Redis backend"));
-    };
-    let kind = if quorum { "redlock" } else { "redis" };
+    } = url;
     if tls {
         return Err(Error::invalid(
             "rediss:// (TLS) is not supported by this build yet; use redis:// on a trusted \
@@ -133,7 +134,11 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
             Error::engine_failure(kind, format!("{}: {hint}", engine.nodes[0].addr)).with_source(e)
         })?;
     }
-    Ok(Arc::new(engine))
+    let engine = Arc::new(engine);
+    Ok(Opened {
+        fair: Some(engine.clone()),
+        ..Opened::lock(engine)
+    })
 }
 
 pub(crate) struct RedisEngine {
@@ -204,7 +209,7 @@ impl Node {
             Err(_) => Err(format!(
                 "{}: no answer within {}",
                 self.addr,
-                crate::options::display_duration(limit)
+                crate::core::options::display_duration(limit)
             )),
         }
     }
@@ -336,12 +341,12 @@ impl RedisEngine {
     /// arrival order; Redlock nodes get the acquisition's start in microseconds instead, the
     /// same on every node, because two waiters' attempts can reach two nodes in opposite
     /// orders, and nodes whose queues disagree on the head split their votes.
-    fn queue_place(&self, req: &AcquireRequest) -> u64 {
+    fn queue_place(&self, since: SystemTime) -> u64 {
         if self.nodes.len() == 1 {
             return 0;
         }
         // 0 is taken by "number them here".
-        unix_micros_of(req.since).max(1)
+        unix_micros_of(since).max(1)
     }
 
     /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
@@ -360,6 +365,7 @@ impl RedisEngine {
         &self,
         node: &Node,
         req: &AcquireRequest,
+        fair: Option<(Duration, SystemTime)>,
         keys: &Keys,
         floor: u64,
         limit: Duration,
@@ -380,9 +386,9 @@ impl RedisEngine {
             .arg(format!("{:016x}", rand::random::<u64>()))
             .arg(unix_millis(SystemTime::now()))
             .arg(who(&req.meta))
-            .arg(req.fair.map_or(0, ms))
+            .arg(fair.map_or(0, |(window, _)| ms(window)))
             .arg(&self.channel)
-            .arg(self.queue_place(req));
+            .arg(fair.map_or(0, |(_, since)| self.queue_place(since)));
         let reply: Vec<Value> = node.run(inv, limit).await?;
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
@@ -485,17 +491,14 @@ impl RedisEngine {
     }
 }
 
-#[async_trait]
-impl Engine for RedisEngine {
-    fn kind(&self) -> &'static str {
-        self.kind
-    }
-
-    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        self.keys(name).labelled()
-    }
-
-    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+impl RedisEngine {
+    /// One attempt on every node; `fair` is the queue entry's window and the acquisition's
+    /// start, for a waiter in fair mode.
+    async fn attempt(
+        &self,
+        req: &AcquireRequest,
+        fair: Option<(Duration, SystemTime)>,
+    ) -> Result<Attempt> {
         let keys = self.keys(&req.name);
         // Subscribed before the attempt is sent: a release announced after the refusal below
         // changes this receiver even if the waiter has not started waiting yet.
@@ -509,7 +512,7 @@ impl Engine for RedisEngine {
         let answers = join_all(
             self.nodes
                 .iter()
-                .map(|n| self.acquire_on(n, req, &keys, floor, limit)),
+                .map(|n| self.acquire_on(n, req, fair, &keys, floor, limit)),
         )
         .await;
 
@@ -605,7 +608,33 @@ impl Engine for RedisEngine {
             wake: Some(wake),
         })
     }
+}
 
+#[async_trait]
+impl FairQueue for RedisEngine {
+    async fn try_acquire_fair(
+        &self,
+        req: &AcquireRequest,
+        window: Duration,
+        since: SystemTime,
+    ) -> Result<Attempt> {
+        self.attempt(req, Some((window, since))).await
+    }
+}
+
+#[async_trait]
+impl Engine for RedisEngine {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
+        self.keys(name).labelled()
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        self.attempt(req, None).await
+    }
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let per_node = join_all(self.nodes.iter().map(|n| self.extend_on(n, batch))).await;
         self.unless_every_node_failed(&per_node)?;
@@ -625,7 +654,7 @@ impl Engine for RedisEngine {
                 } else if n - no < self.quorum {
                     Renewed::NotHolder
                 } else {
-                    Renewed::Unconfirmed
+                    Renewed::Failed("too few nodes confirmed the renewal".to_owned())
                 }
             })
             .collect())

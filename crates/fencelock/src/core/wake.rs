@@ -12,8 +12,50 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::Wake;
-use crate::token::FencingToken;
+use crate::core::token::FencingToken;
+
+/// The release announcements of one resource as waiters see them: the newest few, numbered.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Wake {
+    /// The newest announcements, oldest first, at most [`Wake::KEPT`], numbered from 1 so that
+    /// equal announcements still tell apart.
+    pub recent: std::collections::VecDeque<Announcement>,
+}
+
+/// One release announcement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Announcement {
+    pub seq: u64,
+    /// In FIFO mode, the only waiter that can win next; the others keep waiting.
+    pub only: Option<String>,
+    /// The release handed the lock straight to `only` with this token: that waiter holds it
+    /// from the moment the release ran, for its TTL cut to what was left of its queue entry.
+    pub granted: Option<FencingToken>,
+}
+
+impl Wake {
+    /// Enough for the announcements of one release by every node of a Redlock set, and some.
+    pub(crate) const KEPT: usize = 16;
+
+    /// The number of the newest announcement, 0 before the first.
+    pub(crate) fn seq(&self) -> u64 {
+        self.recent.back().map_or(0, |a| a.seq)
+    }
+
+    pub(crate) fn push(&mut self, only: Option<String>, granted: Option<FencingToken>) {
+        let seq = self.seq().wrapping_add(1);
+        if self.recent.len() == Self::KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Announcement { seq, only, granted });
+    }
+}
+
+impl Announcement {
+    pub(crate) fn concerns(&self, owner: &str) -> bool {
+        self.only.as_deref().is_none_or(|o| o == owner)
+    }
+}
 
 /// Names with no receiver left are dropped once the map grows past this.
 const PRUNE_ABOVE: usize = 1024;

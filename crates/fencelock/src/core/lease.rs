@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::client::ClientInner;
-use crate::error::{Error, ErrorKind, Result};
-use crate::metrics::{self, Loss};
-use crate::token::FencingToken;
+use crate::core::client::ClientInner;
+use crate::core::error::{Error, ErrorKind, Result};
+use crate::core::metrics::{self, Loss};
+use crate::core::token::FencingToken;
 
 /// State shared between a [`Lease`] and the client's watchdog.
 pub(crate) struct LeaseState {

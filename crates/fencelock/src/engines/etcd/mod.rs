@@ -31,6 +31,7 @@
 //!   `<prefix>%audit/`; the record's counter is that transaction's revision.
 
 mod keys;
+pub(crate) mod url;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,15 +46,17 @@ use percent_encoding::{percent_decode_str, utf8_percent_encode, NON_ALPHANUMERIC
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::Backend;
-use crate::client::DEFAULT_PREFIX;
-use crate::election::{publish, Leader};
-use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
-use crate::options::renew_interval;
-use crate::runbook::{AuditRecord, HeldLock};
-use crate::token::FencingToken;
+use crate::core::engine::{
+    AcquireRequest, Attempt, Elections, Engine, EngineConfig, Opened, Renewal, Renewed, WaitQueue,
+    DEFAULT_PREFIX,
+};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::options::renew_interval;
+use crate::core::records::{publish, Leader};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
+use url::EtcdUrl;
 
 pub(crate) use keys::{Keys, DEFAULT_ETCD_PREFIX};
 
@@ -89,13 +92,20 @@ pub(crate) struct EtcdEngine {
 
 /// Opens the engine for an `etcd://` / `etcds://` backend. Connecting is lazy: an unreachable
 /// cluster shows at the first call, which is bounded like every call.
-pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
-    Ok(Arc::new(EtcdEngine::connect(backend, cfg).await?))
+/// Hands out the lock, etcd's own waiter queue (every acquisition waits in FIFO order) and
+/// native elections.
+pub(crate) async fn open(url: EtcdUrl, cfg: &EngineConfig) -> Result<Opened> {
+    let engine = Arc::new(EtcdEngine::connect(&url, cfg).await?);
+    Ok(Opened {
+        queue: Some(engine.clone()),
+        elections: Some(engine.clone()),
+        ..Opened::lock(engine)
+    })
 }
 
 impl EtcdEngine {
-    pub(crate) async fn connect(backend: Backend, cfg: &EngineConfig) -> Result<EtcdEngine> {
-        let client = connect_client(&backend, cfg.op_timeout).await?;
+    async fn connect(url: &EtcdUrl, cfg: &EngineConfig) -> Result<EtcdEngine> {
+        let client = connect_client(url, cfg.op_timeout).await?;
         let prefix = if cfg.prefix == DEFAULT_PREFIX {
             DEFAULT_ETCD_PREFIX.to_owned()
         } else {
@@ -365,33 +375,12 @@ impl EtcdEngine {
 }
 
 #[async_trait]
-impl Engine for EtcdEngine {
-    fn kind(&self) -> &'static str {
-        KIND
-    }
-
-    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![
-            ("etcdctl lock/elect name", self.keys.lock_prefix(name)),
-            (
-                "waiter keys",
-                format!("{}<lease id hex>", self.keys.waiters(name)),
-            ),
-        ]
-    }
-
-    fn queues_waiters(&self) -> bool {
-        true
-    }
-
-    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
-        Ok(self.acquire_queued(req, Duration::ZERO).await?.0)
-    }
-
+impl WaitQueue for EtcdEngine {
     async fn acquire_queued(
         &self,
         req: &AcquireRequest,
         wait: Duration,
+        campaign: Option<&str>,
     ) -> Result<(Attempt, Instant)> {
         let started = Instant::now();
         let deadline = started + wait;
@@ -418,8 +407,8 @@ impl Engine for EtcdEngine {
             async move { c.lease_grant(secs, Some(opts)).await }
         })
         .await?;
-        let value = match &req.campaign {
-            Some(v) => v.clone(),
+        let value = match campaign {
+            Some(v) => v.to_owned(),
             None => Self::meta_value(req),
         };
         let (rev, head) = self.enqueue(&session, value).await?;
@@ -465,7 +454,112 @@ impl Engine for EtcdEngine {
         }
         Ok((Attempt::Granted(token_of(rev)?), confirmed))
     }
+}
 
+#[async_trait]
+impl Elections for EtcdEngine {
+    async fn leader(&self, name: &str) -> Result<Option<Leader>> {
+        Ok(self.head(name).await?.map(|kv| leader_of(&kv)))
+    }
+
+    async fn proclaim(&self, _name: &str, owner: &str, value: &str) -> Result<bool> {
+        let Some(s) = self.sessions().get(owner).cloned() else {
+            return Ok(false);
+        };
+        // As election.go's Proclaim: rewrite the leader's key only while it is still the key
+        // this campaign created.
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                s.key.clone(),
+                CompareOp::Equal,
+                s.rev,
+            )])
+            .and_then([TxnOp::put(
+                s.key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(s.lease)),
+            )]);
+        let resp = self
+            .bounded("proclaim", |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        Ok(resp.succeeded())
+    }
+
+    async fn observe(&self, name: &str, tx: &watch::Sender<Option<Leader>>) {
+        let waiters = self.keys.waiters(name);
+        loop {
+            let step = async {
+                // Read the leader, then watch the election's keys from just after that read:
+                // no change between the two is missed.
+                let read = self.bounded("read the leader", |mut c| {
+                    let waiters = waiters.clone();
+                    async move { c.get(waiters, Some(first_created().with_limit(1))).await }
+                });
+                let resp = match read.await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "reading the leader failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        return;
+                    }
+                };
+                publish(tx, resp.kvs().first().map(leader_of));
+                let at = resp.header().map_or(0, |h| h.revision());
+                let opts = WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(at + 1);
+                let watch = self.bounded("watch the election", |mut c| {
+                    let (waiters, opts) = (waiters.clone(), opts.clone());
+                    async move { c.watch(waiters, Some(opts)).await }
+                });
+                let Ok(mut stream) = watch.await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    return;
+                };
+                // Any event may change the leader; the loop reads it again. Re-armed every
+                // operation timeout, as waiters are.
+                let rearm = tokio::time::sleep(self.op_timeout);
+                tokio::pin!(rearm);
+                loop {
+                    tokio::select! {
+                        _ = &mut rearm => return,
+                        msg = stream.message() => match msg {
+                            Ok(Some(r)) if r.events().is_empty() && !r.canceled() => {}
+                            _ => return,
+                        },
+                    }
+                }
+            };
+            tokio::select! {
+                _ = tx.closed() => return,
+                _ = step => {}
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for EtcdEngine {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("etcdctl lock/elect name", self.keys.lock_prefix(name)),
+            (
+                "waiter keys",
+                format!("{}<lease id hex>", self.keys.waiters(name)),
+            ),
+        ]
+    }
+
+    async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
+        Ok(self.acquire_queued(req, Duration::ZERO, None).await?.0)
+    }
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let one = |r: &Renewal| {
             let session = self.sessions().get(&r.owner).cloned();
@@ -481,11 +575,12 @@ impl Engine for EtcdEngine {
                     // lease does too: a failed renewal, not a lost lease.
                     Err(e) if lease_gone(&e) => {
                         return match self.key_is_mine(&s).await {
-                            Ok(true) | Err(_) => Renewed::Unconfirmed,
+                            Ok(true) => Renewed::Failed(e.to_string()),
+                            Err(e) => Renewed::Failed(e.to_string()),
                             Ok(false) => Renewed::NotHolder,
                         };
                     }
-                    Err(_) => return Renewed::Unconfirmed,
+                    Err(e) => return Renewed::Failed(e.to_string()),
                 }
                 match self.key_is_mine(&s).await {
                     Ok(true) => {
@@ -493,7 +588,7 @@ impl Engine for EtcdEngine {
                         Renewed::Extended
                     }
                     Ok(false) => Renewed::NotHolder,
-                    Err(_) => Renewed::Unconfirmed,
+                    Err(e) => Renewed::Failed(e.to_string()),
                 }
             }
         };
@@ -551,88 +646,6 @@ impl Engine for EtcdEngine {
         }
         deleted?;
         Ok(held)
-    }
-
-    async fn leader(&self, name: &str) -> Result<Option<Leader>> {
-        Ok(self.head(name).await?.map(|kv| leader_of(&kv)))
-    }
-
-    async fn proclaim(&self, _name: &str, owner: &str, value: &str) -> Result<bool> {
-        let Some(s) = self.sessions().get(owner).cloned() else {
-            return Ok(false);
-        };
-        // As election.go's Proclaim: rewrite the leader's key only while it is still the key
-        // this campaign created.
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                s.key.clone(),
-                CompareOp::Equal,
-                s.rev,
-            )])
-            .and_then([TxnOp::put(
-                s.key.clone(),
-                value,
-                Some(PutOptions::new().with_lease(s.lease)),
-            )]);
-        let resp = self
-            .bounded("proclaim", |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
-        Ok(resp.succeeded())
-    }
-
-    async fn observe(&self, name: &str, tx: &watch::Sender<Option<Leader>>, _poll: Duration) {
-        let waiters = self.keys.waiters(name);
-        loop {
-            let step = async {
-                // Read the leader, then watch the election's keys from just after that read:
-                // no change between the two is missed.
-                let read = self.bounded("read the leader", |mut c| {
-                    let waiters = waiters.clone();
-                    async move { c.get(waiters, Some(first_created().with_limit(1))).await }
-                });
-                let resp = match read.await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "reading the leader failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        return;
-                    }
-                };
-                publish(tx, resp.kvs().first().map(leader_of));
-                let at = resp.header().map_or(0, |h| h.revision());
-                let opts = WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(at + 1);
-                let watch = self.bounded("watch the election", |mut c| {
-                    let (waiters, opts) = (waiters.clone(), opts.clone());
-                    async move { c.watch(waiters, Some(opts)).await }
-                });
-                let Ok(mut stream) = watch.await else {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    return;
-                };
-                // Any event may change the leader; the loop reads it again. Re-armed every
-                // operation timeout, as waiters are.
-                let rearm = tokio::time::sleep(self.op_timeout);
-                tokio::pin!(rearm);
-                loop {
-                    tokio::select! {
-                        _ = &mut rearm => return,
-                        msg = stream.message() => match msg {
-                            Ok(Some(r)) if r.events().is_empty() && !r.canceled() => {}
-                            _ => return,
-                        },
-                    }
-                }
-            };
-            tokio::select! {
-                _ = tx.closed() => return,
-                _ = step => {}
-            }
-        }
     }
 
     async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
@@ -739,10 +752,10 @@ impl Engine for EtcdEngine {
 
 /// Connects a client to the backend's endpoints (lazily), with credentials and TLS.
 pub(crate) async fn connect_client(
-    backend: &Backend,
+    url: &EtcdUrl,
     op_timeout: Duration,
 ) -> Result<etcd_client::Client> {
-    let Backend::Etcd {
+    let EtcdUrl {
         tls,
         endpoints,
         user,
@@ -750,10 +763,7 @@ pub(crate) async fn connect_client(
         ca,
         cert,
         key,
-    } = backend
-    else {
-        return Err(Error::invalid("not an etcd backend"));
-    };
+    } = url;
     let scheme = if *tls { "https" } else { "http" };
     let eps: Vec<String> = endpoints
         .iter()
@@ -839,7 +849,7 @@ fn no_answer(what: &str, limit: Duration) -> Error {
         KIND,
         format!(
             "no answer from etcd to {what} within {}; check that a majority of members is up",
-            crate::options::display_duration(limit)
+            crate::core::options::display_duration(limit)
         ),
     )
 }

@@ -12,10 +12,10 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
 use super::{duration_of_millis, millis, token_of, Shared};
-use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
-use crate::runbook::{AuditRecord, HeldLock};
+use crate::core::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
+use crate::core::error::Result;
+use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::records::{AuditRecord, HeldLock};
 
 /// Takes a free or expired row, or re-grants to the same owner (keeping its token); a fresh
 /// grant advances the token. Nothing is returned when another owner's lease is live.
@@ -184,12 +184,6 @@ impl Engine for LeaseEngine {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
-        if req.fair.is_some() {
-            return Err(Error::invalid(
-                "fair (FIFO) mode needs an engine with a waiter queue (redis, redlock); the \
-                 PostgreSQL lease table grants to whichever waiter retries first",
-            ));
-        }
         let key = self.shared.key(&req.name);
         let wake = self.shared.subscribe(&req.name);
         let now = unix_millis(SystemTime::now());
@@ -341,6 +335,8 @@ impl Engine for LeaseEngine {
         };
         let mut record = draft.clone();
         record.holder = self.read(holder_from(r, 0))?;
+        // The log keeps what the holder recorded, not how long it had left.
+        record.holder.ttl_left = None;
         record.counter = token_of(self.read(r.try_get(8))?);
         Ok(Some(record))
     }

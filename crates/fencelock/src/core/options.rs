@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
 
 /// The shortest TTL accepted. Renewal calls get TTL/6 to answer; below 100 ms that is a few
 /// milliseconds, which a loaded machine or a disk sync (SQLite) regularly exceeds, so the lease

@@ -1,6 +1,6 @@
 //! Resource names: checked before any I/O so that a bad name never reaches an engine.
 
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
 
 /// The longest resource name accepted, in bytes of UTF-8.
 pub const MAX_NAME_BYTES: usize = 256;

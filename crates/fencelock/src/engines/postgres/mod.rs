@@ -44,6 +44,7 @@
 
 mod advisory;
 mod lease;
+pub(crate) mod url;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -55,14 +56,15 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, PgMode};
-use crate::engine::{Engine, EngineConfig};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, Holder};
-use crate::runbook::AuditRecord;
-use crate::token::FencingToken;
-use crate::wakers::WakeRx;
-use crate::wakers::{keep_listening, Wakers};
+use crate::core::engine::{EngineConfig, Opened};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, Holder};
+use crate::core::records::AuditRecord;
+use crate::core::token::FencingToken;
+use crate::core::url::redact_url;
+use crate::core::wake::WakeRx;
+use crate::core::wake::{keep_listening, Wakers};
+use url::{PgMode, PostgresUrl};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS fencelock_tokens (
@@ -117,18 +119,15 @@ CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
      assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
 
-pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn Engine>> {
-    let Backend::Postgres { url, mode, pool } = backend else {
-        return Err(Error::invalid("not a PostgreSQL backend"));
-    };
-    let kind = match mode {
-        PgMode::Advisory => "postgres",
-        PgMode::Lease => "postgres-lease",
-    };
+/// Opens a client's connections: in advisory mode the lock and the feed of leases lost with a
+/// session; in lease-table mode the lock alone.
+pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened> {
+    let kind = url.engine();
+    let PostgresUrl { url, mode, pool } = url;
     let mut config = Config::from_str(&url).map_err(|e| {
         Error::invalid(format!(
             "the PostgreSQL URL {} is not valid: {e}",
-            crate::backend::redact_url(&url)
+            redact_url(&url)
         ))
     })?;
     if config.get_application_name().is_none() {
@@ -156,8 +155,16 @@ pub(crate) async fn open(backend: Backend, cfg: &EngineConfig) -> Result<Arc<dyn
     ));
     let sessions = pool - 1;
     match mode {
-        PgMode::Advisory => Ok(Arc::new(advisory::AdvisoryEngine::new(shared, sessions))),
-        PgMode::Lease => Ok(Arc::new(lease::LeaseEngine::new(shared, sessions, first))),
+        PgMode::Advisory => {
+            let (engine, losses) = advisory::AdvisoryEngine::new(shared, sessions);
+            Ok(Opened {
+                losses: Some(losses),
+                ..Opened::lock(Arc::new(engine))
+            })
+        }
+        PgMode::Lease => Ok(Opened::lock(Arc::new(lease::LeaseEngine::new(
+            shared, sessions, first,
+        )))),
     }
 }
 
@@ -229,7 +236,7 @@ impl Shared {
                 self.kind,
                 format!(
                     "PostgreSQL gave no answer within {}",
-                    crate::options::display_duration(self.op_timeout)
+                    crate::core::options::display_duration(self.op_timeout)
                 ),
             )),
         }
@@ -252,7 +259,7 @@ impl Shared {
                     self.kind,
                     format!(
                         "cannot connect to PostgreSQL within {}; check that the server is up",
-                        crate::options::display_duration(self.op_timeout)
+                        crate::core::options::display_duration(self.op_timeout)
                     ),
                 ))
             }
@@ -304,7 +311,7 @@ async fn insert_audit(
     renewed_at: Option<i64>,
 ) -> std::result::Result<(), tokio_postgres::Error> {
     let h = &record.holder;
-    let ms = |t: Option<std::time::SystemTime>| t.map(crate::holder::unix_millis);
+    let ms = |t: Option<std::time::SystemTime>| t.map(crate::core::holder::unix_millis);
     tx.execute(
         &format!(
             "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
@@ -313,7 +320,7 @@ async fn insert_audit(
         &[
             &record.id,
             &key,
-            &crate::holder::unix_millis(record.at),
+            &crate::core::holder::unix_millis(record.at),
             &record.user,
             &record.host,
             &record.reason,

@@ -22,12 +22,14 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::client::Client;
-use crate::error::{Error, ErrorKind, Result};
-use crate::lease::Lease;
-use crate::name::validate_name;
-use crate::options::LockOptions;
-use crate::token::FencingToken;
+use crate::core::client::{Client, ClientInner};
+use crate::core::error::{Error, ErrorKind, Result};
+use crate::core::holder::Holder;
+use crate::core::lease::Lease;
+use crate::core::name::validate_name;
+use crate::core::options::LockOptions;
+use crate::core::records::{publish, Leader};
+use crate::core::token::FencingToken;
 
 /// The longest campaign value accepted, in bytes.
 pub const MAX_VALUE_BYTES: usize = 64 * 1024;
@@ -35,31 +37,11 @@ pub const MAX_VALUE_BYTES: usize = 64 * 1024;
 /// How often the engines without change notifications read the leader when observed.
 const POLL: Duration = Duration::from_millis(250);
 
-/// Who leads an election, as observers see it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Leader {
-    /// The value the leader campaigned with or last proclaimed (lossily decoded as UTF-8 when
-    /// another client stored bytes).
-    pub value: String,
-    /// The leader's fencing token, greater than every earlier leader's.
-    pub token: FencingToken,
-}
-
 /// A named election on one client. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Election {
     client: Client,
     name: String,
-}
-
-impl std::fmt::Debug for Client {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client")
-            .field("engine", &self.engine())
-            .field("url", &self.url())
-            .finish()
-    }
 }
 
 impl Client {
@@ -100,14 +82,7 @@ impl Election {
 
     /// The current leader, if any.
     pub async fn leader(&self) -> Result<Option<Leader>> {
-        let inner = &self.client.inner;
-        inner
-            .call(
-                &self.name,
-                inner.op_timeout,
-                inner.engine.leader(&self.name),
-            )
-            .await
+        leader_of(&self.client.inner, &self.name).await
     }
 
     /// A receiver that starts with the current leader (`None` when nobody leads), always
@@ -117,9 +92,14 @@ impl Election {
     /// every receiver is dropped.
     pub async fn observe(&self) -> Result<watch::Receiver<Option<Leader>>> {
         let (tx, rx) = watch::channel(self.leader().await?);
-        let engine = self.client.inner.engine.clone();
+        let inner = self.client.inner.clone();
         let name = self.name.clone();
-        tokio::spawn(async move { engine.observe(&name, &tx, POLL).await });
+        tokio::spawn(async move {
+            match &inner.elections {
+                Some(elections) => elections.observe(&name, &tx).await,
+                None => poll_leader(&inner, &name, &tx).await,
+            }
+        });
         Ok(rx)
     }
 }
@@ -176,11 +156,15 @@ impl Leadership {
         if self.lease.is_lost() {
             return Err(not_leader(name, inner.engine.kind()));
         }
+        let Some(elections) = &inner.elections else {
+            return Err(no_proclaim(inner.engine.kind()).with_resource(name));
+        };
         let done = inner
+            .calls
             .call(
                 name,
-                inner.op_timeout,
-                inner.engine.proclaim(name, self.lease.owner(), value),
+                inner.cfg.op_timeout,
+                elections.proclaim(name, self.lease.owner(), value),
             )
             .await?;
         if !done {
@@ -216,7 +200,7 @@ fn not_leader(name: &str, engine: &'static str) -> Error {
     .with_engine(engine)
 }
 
-pub(crate) fn no_proclaim(engine: &'static str) -> Error {
+fn no_proclaim(engine: &'static str) -> Error {
     Error::invalid(format!(
         "proclaim needs the etcd engine; on {engine} the value is fixed at campaign time: \
          resign and campaign again with the new value"
@@ -224,22 +208,42 @@ pub(crate) fn no_proclaim(engine: &'static str) -> Error {
     .with_engine(engine)
 }
 
-/// The leader as the holder of the election's lock shows it (engines without elections).
-pub(crate) fn from_holder(h: crate::Holder) -> Leader {
+/// The leader: the engine's own, or on an engine without elections the holder of the
+/// election's lock, whose client name is the campaign value.
+async fn leader_of(inner: &ClientInner, name: &str) -> Result<Option<Leader>> {
+    let limit = inner.cfg.op_timeout;
+    match &inner.elections {
+        Some(elections) => inner.calls.call(name, limit, elections.leader(name)).await,
+        None => Ok(inner
+            .calls
+            .call(name, limit, inner.engine.inspect(name))
+            .await?
+            .map(from_holder)),
+    }
+}
+
+fn from_holder(h: Holder) -> Leader {
     Leader {
         value: h.client.unwrap_or_default(),
         token: h.token.unwrap_or(FencingToken::new(0)),
     }
 }
 
-/// Sends `leader` to observers if it differs from what they last saw.
-pub(crate) fn publish(tx: &watch::Sender<Option<Leader>>, leader: Option<Leader>) {
-    tx.send_if_modified(|current| {
-        if *current == leader {
-            false
-        } else {
-            *current = leader;
-            true
+/// Observation on an engine without change notifications: the leader is read every [`POLL`]
+/// until no receiver is left.
+async fn poll_leader(inner: &ClientInner, name: &str, tx: &watch::Sender<Option<Leader>>) {
+    loop {
+        let step = async {
+            match tokio::time::timeout(POLL, leader_of(inner, name)).await {
+                Ok(Ok(leader)) => publish(tx, leader),
+                Ok(Err(e)) => tracing::debug!(error = %e, "reading the leader failed"),
+                Err(_) => tracing::debug!("reading the leader timed out"),
+            }
+            tokio::time::sleep(POLL).await;
+        };
+        tokio::select! {
+            _ = tx.closed() => return,
+            _ = step => {}
         }
-    });
+    }
 }

@@ -29,12 +29,13 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::client::Client;
-use crate::error::{Error, ErrorKind, Result};
-use crate::holder::{Holder, HolderMeta};
-use crate::name::{validate_name, MAX_NAME_BYTES};
-use crate::options::{display_duration, renew_interval};
-use crate::token::FencingToken;
+use crate::core::client::Client;
+use crate::core::error::{Error, ErrorKind, Result};
+use crate::core::holder::{Holder, HolderMeta};
+use crate::core::name::{validate_name, MAX_NAME_BYTES};
+use crate::core::options::{display_duration, renew_interval};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
 
 /// The age after which a holder's last renewal counts as overdue for a lease of this TTL: the
 /// watchdog's cadence (TTL/3) plus half a cadence, and at least one second more than the
@@ -223,16 +224,6 @@ fn is_zombie(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-/// One held lock, as [`Client::list`] finds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct HeldLock {
-    /// The resource name.
-    pub resource: String,
-    /// Who holds it.
-    pub holder: Holder,
-}
-
 /// What an operator states when forcing a release: why, who, from where, and whether the
 /// holder is to be taken as dead whatever it looks like.
 ///
@@ -317,96 +308,6 @@ fn current_user() -> String {
     }
 }
 
-/// One forced release, as the engine's audit log keeps it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct AuditRecord {
-    /// A random id naming the record (the same on every Redlock node).
-    pub id: String,
-    /// The resource that was released.
-    pub resource: String,
-    /// When (the operator's wall clock).
-    pub at: SystemTime,
-    /// Who forced the release.
-    pub user: String,
-    /// The host it was forced from.
-    pub host: String,
-    /// Why, in the operator's words.
-    pub reason: String,
-    /// Whether the operator declared the holder dead, overriding the liveness check.
-    pub holder_declared_dead: bool,
-    /// What the liveness check found at the time ([`Assessment::reason`]).
-    pub assessment: String,
-    /// The holder whose lock was deleted: owner, token, host, pid, client, times, TTL as the
-    /// engine had them (`ttl_left` is not kept).
-    pub holder: Holder,
-    /// The fencing counter after the release (the *mark*): above the old holder's token, and
-    /// below every token granted afterwards.
-    pub counter: FencingToken,
-}
-
-impl AuditRecord {
-    /// A record from the named fields an engine stored it as (key-value engines: the Redis
-    /// audit stream, etcd's audit keys): `id`, `resource`, `at`, `user`, `host`, `reason`,
-    /// `declared_dead`, `assessment`, the old holder's `owner`, `token`, `holder_host`, `pid`,
-    /// `client`, `acquired_at`, `renewed_at`, `ttl` (ms), and `counter` (0 when absent, for
-    /// engines that know it from elsewhere). Empty values count as absent. `None` for records
-    /// fencelock did not write.
-    #[cfg(any(feature = "redis", feature = "etcd"))]
-    /// The operator's part of the record as named fields (what [`AuditRecord::from_fields`]
-    /// reads back): id, resource, time, who, from where, why, and the liveness verdict.
-    pub(crate) fn operator_fields(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("id", self.id.clone()),
-            ("resource", self.resource.clone()),
-            ("at", crate::holder::unix_millis(self.at).to_string()),
-            ("user", self.user.clone()),
-            ("host", self.host.clone()),
-            ("reason", self.reason.clone()),
-            (
-                "declared_dead",
-                if self.holder_declared_dead { "1" } else { "0" }.to_owned(),
-            ),
-            ("assessment", self.assessment.clone()),
-        ]
-    }
-
-    #[cfg(any(feature = "redis", feature = "etcd"))]
-    pub(crate) fn from_fields(field: impl Fn(&str) -> Option<String>) -> Option<AuditRecord> {
-        use crate::holder::from_unix_millis;
-        let text = |k: &str| field(k).filter(|v| !v.is_empty());
-        let number = |k: &str| text(k).and_then(|v| v.parse::<i64>().ok());
-        let mut holder = Holder::bare(text("owner")?);
-        holder.token = number("token")
-            .and_then(|t| u64::try_from(t).ok())
-            .map(FencingToken::new);
-        holder.host = text("holder_host");
-        holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
-        holder.client = text("client");
-        holder.acquired_at = number("acquired_at").map(from_unix_millis);
-        holder.renewed_at = number("renewed_at").map(from_unix_millis);
-        holder.ttl = number("ttl")
-            .and_then(|t| u64::try_from(t).ok())
-            .map(Duration::from_millis);
-        Some(AuditRecord {
-            id: text("id")?,
-            resource: text("resource")?,
-            at: from_unix_millis(number("at")?),
-            user: text("user")?,
-            host: text("host")?,
-            reason: text("reason")?,
-            holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
-            assessment: text("assessment").unwrap_or_default(),
-            holder,
-            counter: FencingToken::new(
-                number("counter")
-                    .and_then(|c| u64::try_from(c).ok())
-                    .unwrap_or(0),
-            ),
-        })
-    }
-}
-
 impl Client {
     /// Every held lock whose name starts with `prefix` (a plain string: no pattern characters;
     /// `""` for all), sorted by name. Held means what [`Client::inspect`] says: on Redlock,
@@ -422,7 +323,8 @@ impl Client {
         let inner = &self.inner;
         let label = format!("{prefix}*");
         let mut locks = inner
-            .call(&label, inner.op_timeout * 12, inner.engine.list(prefix))
+            .calls
+            .call(&label, inner.cfg.op_timeout * 12, inner.engine.list(prefix))
             .await?;
         locks.sort_by(|a, b| a.resource.cmp(&b.resource));
         Ok(locks)
@@ -489,7 +391,9 @@ impl Client {
             id: format!("{:016x}", rand::random::<u64>()),
             resource: name.to_owned(),
             // Engines keep milliseconds: the record handed back equals the one read back.
-            at: crate::holder::from_unix_millis(crate::holder::unix_millis(SystemTime::now())),
+            at: crate::core::holder::from_unix_millis(crate::core::holder::unix_millis(
+                SystemTime::now(),
+            )),
             user: request.user.clone(),
             host: request.host.clone(),
             reason: request.reason.clone(),
@@ -499,9 +403,10 @@ impl Client {
             counter: FencingToken::new(0),
         };
         let done = inner
+            .calls
             .call(
                 name,
-                inner.op_timeout * 2,
+                inner.cfg.op_timeout * 2,
                 inner
                     .engine
                     .force_release(name, Some(&holder.owner), &draft),
@@ -544,9 +449,10 @@ impl Client {
         }
         let inner = &self.inner;
         inner
+            .calls
             .call(
                 name.unwrap_or("*"),
-                inner.op_timeout * 2,
+                inner.cfg.op_timeout * 2,
                 inner.engine.audit(name),
             )
             .await
@@ -669,115 +575,5 @@ mod tests {
         assert!(ForceRelease::new("a\nb").validate().is_err());
         assert!(ForceRelease::new("ok").user("").validate().is_err());
         assert!(ForceRelease::new("host died").validate().is_ok());
-    }
-}
-
-/// The compare-and-delete every engine's forced release must be, checked on the engines
-/// directly: the public API only ever passes the owner it has just inspected, so the race it
-/// guards against cannot be staged through it.
-#[cfg(test)]
-mod engine_tests {
-    use std::sync::Arc;
-    use std::time::{Duration, SystemTime};
-
-    use super::*;
-    use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig};
-
-    fn config() -> EngineConfig {
-        EngineConfig {
-            prefix: "t:".into(),
-            op_timeout: Duration::from_secs(5),
-            max_ttl: Duration::from_secs(3600),
-        }
-    }
-
-    fn draft(name: &str) -> AuditRecord {
-        AuditRecord {
-            id: "0123456789abcdef".into(),
-            resource: name.into(),
-            at: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
-            user: "u".into(),
-            host: "h".into(),
-            reason: "r".into(),
-            holder_declared_dead: true,
-            assessment: "a".into(),
-            holder: Holder::bare("o".into()),
-            counter: FencingToken::new(0),
-        }
-    }
-
-    async fn grant(engine: &dyn Engine, name: &str, owner: &str) -> FencingToken {
-        let req = AcquireRequest {
-            name: name.into(),
-            owner: owner.into(),
-            ttl: Duration::from_secs(60),
-            meta: HolderMeta::current("holder".into()),
-            campaign: None,
-            fair: None,
-            since: std::time::SystemTime::now(),
-        };
-        match engine.try_acquire(&req).await.unwrap() {
-            Attempt::Granted(t) => t,
-            Attempt::Held { .. } => unreachable!("{name} is held"),
-        }
-    }
-
-    async fn check_compare_and_delete(engine: Arc<dyn Engine>) {
-        let token = grant(&*engine, "r", "new-owner").await;
-        let wrong = engine
-            .force_release("r", Some("judged-owner"), &draft("r"))
-            .await
-            .unwrap();
-        assert!(wrong.is_none(), "deleted a lock that changed hands");
-        assert_eq!(
-            engine.inspect("r").await.unwrap().map(|h| h.owner),
-            Some("new-owner".to_owned())
-        );
-        assert!(engine.audit(None).await.unwrap().is_empty());
-
-        let done = engine
-            .force_release("r", Some("new-owner"), &draft("r"))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(done.holder.owner, "new-owner");
-        assert_eq!(done.holder.token, Some(token));
-        assert_eq!(done.holder.client.as_deref(), Some("holder"));
-        assert_eq!(done.holder.ttl, Some(Duration::from_secs(60)));
-        assert!(done.counter > token);
-        assert_eq!(engine.audit(Some("r")).await.unwrap(), vec![done.clone()]);
-        // Nothing left to delete.
-        assert!(engine
-            .force_release("r", None, &draft("r"))
-            .await
-            .unwrap()
-            .is_none());
-        assert!(grant(&*engine, "r", "next").await > done.counter);
-    }
-
-    #[cfg(feature = "sqlite")]
-    #[tokio::test]
-    async fn sqlite_deletes_only_the_expected_owner() {
-        let dir = tempfile::tempdir().unwrap();
-        let engine = crate::sqlite::SqliteEngine::open(dir.path().join("l.db"), &config())
-            .await
-            .unwrap();
-        check_compare_and_delete(Arc::new(engine)).await;
-    }
-
-    #[cfg(feature = "redis")]
-    #[tokio::test]
-    async fn redis_deletes_only_the_expected_owner() {
-        let server = fencelock_testkit::RedisServer::start().unwrap();
-        let backend = crate::backend::parse(&server.url()).unwrap();
-        check_compare_and_delete(crate::redis::open(backend, &config()).await.unwrap()).await;
-    }
-
-    #[cfg(feature = "redis")]
-    #[tokio::test]
-    async fn redlock_deletes_only_the_expected_owner() {
-        let nodes = fencelock_testkit::start_redis_nodes(3).unwrap();
-        let backend = crate::backend::parse(&fencelock_testkit::redlock_url(&nodes)).unwrap();
-        check_compare_and_delete(crate::redis::open(backend, &config()).await.unwrap()).await;
     }
 }

@@ -3,8 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::holder::Holder;
-use crate::token::FencingToken;
+use crate::core::holder::Holder;
+use crate::core::token::FencingToken;
 
 /// What went wrong, for callers to match on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -141,7 +141,7 @@ impl Error {
             ErrorKind::TimedOut,
             format!(
                 "still held after waiting {}; retry later or raise the wait deadline",
-                crate::options::display_duration(waited)
+                crate::core::options::display_duration(waited)
             ),
         )
         .with_resource(resource)

@@ -23,11 +23,21 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use crate::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
-use crate::runbook::{AuditRecord, HeldLock};
-use crate::token::FencingToken;
+pub(crate) mod url;
+
+use crate::core::engine::{
+    AcquireRequest, Attempt, Engine, EngineConfig, Opened, Renewal, Renewed,
+};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
+
+/// Opens the SQLite file of `url`: the lock, and no other capability.
+pub(crate) async fn open(url: url::SqliteUrl, cfg: &EngineConfig) -> Result<Opened> {
+    let engine = SqliteEngine::open(url.path, cfg).await?;
+    Ok(Opened::lock(Arc::new(engine)))
+}
 
 const ENGINE: &str = "sqlite";
 
@@ -351,12 +361,6 @@ impl Engine for SqliteEngine {
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
-        if req.fair.is_some() {
-            return Err(Error::invalid(
-                "fair (FIFO) mode needs an engine with a waiter queue (redis, redlock); \
-                 sqlite grants to whichever waiter retries first",
-            ));
-        }
         let key = self.key(&req.name);
         let req = req.clone();
         self.with_conn(move |conn, boot| {

@@ -2,13 +2,34 @@
 
 use std::path::PathBuf;
 
-use crate::backend::{decode, parse_host_port_or, Backend};
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
+use crate::core::url::{decode, parse_host_port, HostPort};
 
 /// etcd's client port, used for endpoints written without one.
 const DEFAULT_PORT: u16 = 2379;
 
-pub(crate) fn parse_etcd(scheme: &str, rest: &str) -> Result<Backend> {
+/// A parsed etcd URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EtcdUrl {
+    /// `etcds://`.
+    pub tls: bool,
+    /// The client endpoints, in URL order (port 2379 when omitted).
+    pub endpoints: Vec<HostPort>,
+    /// User name, if any.
+    pub user: Option<String>,
+    /// Password, if any (decoded).
+    pub password: Option<String>,
+    /// `?ca=PATH`: the CA certificate (PEM) that signed the servers' certificates.
+    pub ca: Option<PathBuf>,
+    /// `?cert=PATH`: the client certificate (PEM), for servers with `--client-cert-auth`.
+    pub cert: Option<PathBuf>,
+    /// `?key=PATH`: the client certificate's private key (PEM).
+    pub key: Option<PathBuf>,
+}
+
+/// Parses what follows `etcd://` or `etcds://`.
+pub(crate) fn parse(scheme: &str, rest: &str) -> Result<EtcdUrl> {
     let (main, query) = match rest.split_once('?') {
         Some((m, q)) => (m, Some(q)),
         None => (rest, None),
@@ -36,7 +57,7 @@ pub(crate) fn parse_etcd(scheme: &str, rest: &str) -> Result<Backend> {
     };
     let endpoints = hosts
         .split(',')
-        .map(|h| parse_host_port_or(h, DEFAULT_PORT))
+        .map(|h| parse_host_port(h, DEFAULT_PORT))
         .collect::<Result<Vec<_>>>()?;
     let (mut ca, mut cert, mut key) = (None, None, None);
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
@@ -70,7 +91,7 @@ pub(crate) fn parse_etcd(scheme: &str, rest: &str) -> Result<Backend> {
             "a client certificate needs its key and a key its certificate: give both cert and key",
         ));
     }
-    Ok(Backend::Etcd {
+    Ok(EtcdUrl {
         tls,
         endpoints,
         user,
@@ -84,12 +105,16 @@ pub(crate) fn parse_etcd(scheme: &str, rest: &str) -> Result<Backend> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::parse;
     use crate::ErrorKind;
+
+    fn parse(url: &str) -> Result<EtcdUrl> {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+        super::parse(scheme, rest)
+    }
 
     #[test]
     fn etcd_urls() {
-        let Ok(Backend::Etcd {
+        let Ok(EtcdUrl {
             tls,
             endpoints,
             user,
@@ -120,7 +145,7 @@ mod tests {
         assert_eq!(key, Some("/k .pem".into()));
         assert!(matches!(
             parse("etcd://a:1/"),
-            Ok(Backend::Etcd { tls: false, .. })
+            Ok(EtcdUrl { tls: false, .. })
         ));
     }
 

@@ -15,11 +15,11 @@ use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
 use super::{advisory_key, duration_of_millis, insert_audit, token_of, Shared};
-use crate::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
-use crate::error::{Error, Result};
-use crate::holder::{from_unix_millis, unix_millis, Holder};
-use crate::runbook::{AuditRecord, HeldLock};
-use crate::token::FencingToken;
+use crate::core::engine::{AcquireRequest, Attempt, Engine, LossFeed, Renewal, Renewed};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
 
 /// Tries the lock and, only when granted, advances the durable counter: one round trip. The
 /// lock CTE is materialised, so the lock function runs exactly once.
@@ -62,7 +62,6 @@ pub(crate) struct AdvisoryEngine {
     shared: Shared,
     slots: Vec<tokio::sync::Mutex<Option<Arc<Session>>>>,
     loss_tx: mpsc::UnboundedSender<String>,
-    loss_rx: Mutex<Option<mpsc::UnboundedReceiver<String>>>,
 }
 
 /// What this process knows a session holds, per advisory key.
@@ -112,16 +111,17 @@ fn lock(held: &Mutex<HashMap<i64, Held>>) -> MutexGuard<'_, HashMap<i64, Held>> 
 }
 
 impl AdvisoryEngine {
-    pub(super) fn new(shared: Shared, sessions: usize) -> AdvisoryEngine {
+    /// The engine and its feed of leases lost with a session that ended.
+    pub(super) fn new(shared: Shared, sessions: usize) -> (AdvisoryEngine, LossFeed) {
         let (loss_tx, loss_rx) = mpsc::unbounded_channel();
-        AdvisoryEngine {
+        let engine = AdvisoryEngine {
             shared,
             slots: (0..sessions.max(1))
                 .map(|_| tokio::sync::Mutex::new(None))
                 .collect(),
             loss_tx,
-            loss_rx: Mutex::new(Some(loss_rx)),
-        }
+        };
+        (engine, loss_rx)
     }
 
     fn slot_of(&self, key: i64) -> usize {
@@ -439,7 +439,7 @@ async fn bounded<T>(
             kind,
             format!(
                 "PostgreSQL gave no answer within {}",
-                crate::options::display_duration(limit)
+                crate::core::options::display_duration(limit)
             ),
         )),
     }
@@ -606,20 +606,7 @@ impl Engine for AdvisoryEngine {
         ]
     }
 
-    fn take_loss_feed(&self) -> Option<mpsc::UnboundedReceiver<String>> {
-        self.loss_rx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
-        if req.fair.is_some() {
-            return Err(Error::invalid(
-                "fair (FIFO) mode needs an engine with a waiter queue (redis, redlock); \
-                 PostgreSQL advisory locks grant to whichever waiter retries first",
-            ));
-        }
         let key = advisory_key(&self.shared.prefix, &req.name);
         // Subscribed before the attempt, so a release right after the refusal is not missed.
         let wake = self.shared.subscribe(&req.name);
@@ -674,11 +661,14 @@ impl Engine for AdvisoryEngine {
             let Some((s, held_on_server)) = check else {
                 continue;
             };
-            let Ok(on_server) = held_on_server else {
-                for i in members {
-                    out[i] = Renewed::Unconfirmed;
+            let on_server = match held_on_server {
+                Ok(on_server) => on_server,
+                Err(e) => {
+                    for i in members {
+                        out[i] = Renewed::Failed(e.to_string());
+                    }
+                    continue;
                 }
-                continue;
             };
             let mut mine = lock(&s.held);
             for i in members {

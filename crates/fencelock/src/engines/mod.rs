@@ -1,0 +1,207 @@
+//! The registry: the one place that names every engine. It maps a URL scheme to the
+//! engine's own URL parser (`<engine>/url.rs`) and constructor, behind the engine's cargo
+//! feature, and builds clients on what it opened. Engines know the core only
+//! (`crate::core`), never each other; the core knows no engine.
+//!
+//! Adding an engine: its folder here, one arm in [`Backend::parse`] and [`open`], its variant
+//! of [`Backend`], its feature in `Cargo.toml`, and the docs.
+
+use crate::core::client::{Client, ClientBuilder};
+use crate::core::engine::{EngineConfig, Opened};
+use crate::core::error::{Error, Result};
+use crate::core::url::redact_url;
+
+#[cfg(feature = "etcd")]
+pub(crate) mod etcd;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
+
+#[cfg(test)]
+mod tests;
+
+/// A parsed backend URL, for tools that talk to the engine's servers directly (benchmarks,
+/// diagnostics). Each engine's variant exists when the build has its feature.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backend {
+    /// `sqlite:///absolute/path.db`, or `sqlite://` for the default file.
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    Sqlite(sqlite::url::SqliteUrl),
+    /// `redis://` / `rediss://` (one node) and `redlock://` (N independent nodes).
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    Redis(redis::url::RedisUrl),
+    /// `postgres://` / `postgresql://`: PostgreSQL advisory locks, or a lease table with
+    /// `?mode=lease`.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    Postgres(postgres::url::PostgresUrl),
+    /// `etcd://h1:p1,h2:p2,...` and `etcds://...` (TLS): one etcd cluster.
+    #[cfg(feature = "etcd")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+    Etcd(etcd::url::EtcdUrl),
+}
+
+const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://, postgres://, etcd://, etcds://";
+
+impl Backend {
+    /// Parses a backend URL, with the same rules and errors as [`Client::connect`].
+    pub fn parse(url: &str) -> Result<Backend> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err(Error::invalid(format!(
+                "backend {:?} is not a URL; use one of {SCHEMES}",
+                redact_url(url)
+            )));
+        };
+        // `rest` is unused by the arms of engines this build left out.
+        let _ = rest;
+        match scheme {
+            #[cfg(feature = "sqlite")]
+            "sqlite" => sqlite::url::parse(rest).map(Backend::Sqlite),
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" | "redlock" => redis::url::parse(scheme, rest).map(Backend::Redis),
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => postgres::url::parse(scheme, rest).map(Backend::Postgres),
+            #[cfg(feature = "etcd")]
+            "etcd" | "etcds" => etcd::url::parse(scheme, rest).map(Backend::Etcd),
+            #[cfg(not(feature = "sqlite"))]
+            "sqlite" => Err(left_out("sqlite")),
+            #[cfg(not(feature = "redis"))]
+            "redis" | "rediss" | "redlock" => Err(left_out("redis")),
+            #[cfg(not(feature = "postgres"))]
+            "postgres" | "postgresql" => Err(left_out("postgres")),
+            #[cfg(not(feature = "etcd"))]
+            "etcd" | "etcds" => Err(left_out("etcd")),
+            other => Err(Error::invalid(format!(
+                "unknown backend scheme {other:?}; use one of {SCHEMES}"
+            ))),
+        }
+    }
+
+    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`
+    /// or `etcd`.
+    pub fn engine(&self) -> &'static str {
+        match *self {
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(_) => "sqlite",
+            #[cfg(feature = "redis")]
+            Backend::Redis(ref u) => u.engine(),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(ref u) => u.engine(),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => "etcd",
+        }
+    }
+}
+
+/// The error for a URL whose engine this build was compiled without.
+#[cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "redis",
+        feature = "postgres",
+        feature = "etcd"
+    ),
+    allow(dead_code)
+)]
+fn left_out(feature: &str) -> Error {
+    Error::invalid(format!(
+        "this build of fencelock lacks the `{feature}` feature"
+    ))
+}
+
+/// Opens the engine a URL names, with the capabilities it hands out.
+pub(crate) async fn open(url: &str, cfg: &EngineConfig) -> Result<Opened> {
+    // Unused when the build has no engine at all.
+    let _ = cfg;
+    match Backend::parse(url)? {
+        #[cfg(feature = "sqlite")]
+        Backend::Sqlite(u) => sqlite::open(u, cfg).await,
+        #[cfg(feature = "redis")]
+        Backend::Redis(u) => redis::open(u, cfg).await,
+        #[cfg(feature = "postgres")]
+        Backend::Postgres(u) => postgres::open(u, cfg).await,
+        #[cfg(feature = "etcd")]
+        Backend::Etcd(u) => etcd::open(u, cfg).await,
+    }
+}
+
+/// The backend used when none is given: `$FENCELOCK_URL`, else the default SQLite file.
+pub fn default_url() -> Result<String> {
+    if let Some(url) = std::env::var("FENCELOCK_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    {
+        return Ok(url);
+    }
+    #[cfg(feature = "sqlite")]
+    return Ok(format!(
+        "sqlite://{}",
+        sqlite::url::default_sqlite_path()?.display()
+    ));
+    #[cfg(not(feature = "sqlite"))]
+    Err(Error::invalid(
+        "no backend given ($FENCELOCK_URL is unset) and this build has no embedded default; \
+         pass a backend URL",
+    ))
+}
+
+impl ClientBuilder {
+    /// Parses the URL, opens the engine and starts the renewal task. Must be called inside a
+    /// tokio runtime.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL or setting that
+    /// is not valid (or names an engine this build left out);
+    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the engine cannot be reached.
+    pub async fn connect(self) -> Result<Client> {
+        let cfg = self.config()?;
+        let opened = open(self.url(), &cfg).await?;
+        Ok(self.start(cfg, opened))
+    }
+}
+
+impl Client {
+    /// A client with default settings for `url`; see [`ClientBuilder::connect`].
+    pub async fn connect(url: &str) -> Result<Client> {
+        Client::builder(url).connect().await
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    #[test]
+    fn bad_urls_are_invalid_input() {
+        for url in ["ftp://x", "nonsense", "redis://h:0", "sqlite://relative.db"] {
+            let e = Backend::parse(url).expect_err(url);
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{url}");
+        }
+    }
+
+    #[test]
+    fn every_scheme_reaches_its_engine() {
+        for (url, engine) in [
+            ("sqlite:///tmp/x.db", "sqlite"),
+            ("redis://h:1", "redis"),
+            ("rediss://h:1", "redis"),
+            ("redlock://a,b,c", "redlock"),
+            ("postgres://h/db", "postgres"),
+            ("postgresql://h/db?mode=lease", "postgres-lease"),
+            ("etcd://h", "etcd"),
+            ("etcds://h", "etcd"),
+        ] {
+            match Backend::parse(url) {
+                Ok(b) => assert_eq!(b.engine(), engine, "{url}"),
+                Err(e) => assert!(e.to_string().contains("lacks the"), "{url}: {e}"),
+            }
+        }
+    }
+}
