@@ -1,62 +1,41 @@
 //! `fencelock bench` as a real process: on a SQLite file and against a real redis-server.
 #![allow(clippy::unwrap_used)]
 
-mod child;
+mod common;
 
-use std::fs::File;
 use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use child::{Proc, BIN};
-use fencelock_testkit::{free_port, wait_until, RedisServer};
+use common::{fencelock, Finished};
+use fencelock_testkit::{free_port, RedisServer};
 
 /// A whole quick bench takes about 25 s against Redis; this only catches a hung one.
 const LIMIT: Duration = Duration::from_secs(180);
-
-struct Finished {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
 
 /// Runs `fencelock bench ARGS` with output in files under `dir`, so a full pipe can never
 /// stall it, and waits up to [`LIMIT`].
 fn bench(dir: &Path, args: &[&str]) -> Finished {
     let (out, err) = (dir.join("bench.out"), dir.join("bench.err"));
-    let child = Command::new(BIN)
-        .arg("bench")
+    let mut proc = fencelock(&["bench"])
         .args(args)
-        .env_remove("FENCELOCK_URL")
-        .env_remove("FENCELOCK_LOG")
-        .stdin(Stdio::null())
-        .stdout(File::create(&out).unwrap())
-        .stderr(File::create(&err).unwrap())
+        .output_to(&out, &err)
         .spawn()
         .unwrap();
-    let mut proc = Proc(child);
-    let mut status: Option<ExitStatus> = None;
-    let done = wait_until(LIMIT, || {
-        status = proc.0.try_wait().unwrap();
-        status.is_some()
-    });
+    let finished = proc.wait(LIMIT);
     let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
     assert!(
-        done,
+        finished.is_ok(),
         "bench {args:?} still running after {LIMIT:?}; stdout so far:\n{}\nstderr:\n{}",
         read(&out),
         read(&err)
     );
-    Finished {
-        code: status.and_then(|s| s.code()),
-        stdout: read(&out),
-        stderr: read(&err),
-    }
+    finished.unwrap()
 }
 
 fn assert_sections(out: &Finished) {
     assert_eq!(
-        out.code,
+        out.code(),
         Some(0),
         "stdout:\n{}\nstderr:\n{}",
         out.stdout,
@@ -105,7 +84,7 @@ fn bench_on_sqlite_prints_every_section() {
         dir.path(),
         &["--backend", &url, "--quick", "--seconds", "1", "--json"],
     );
-    assert_eq!(json.code, Some(0), "{}", json.stderr);
+    assert_eq!(json.code(), Some(0), "{}", json.stderr);
     let line = json.stdout.trim();
     assert!(
         line.starts_with('{') && line.ends_with('}') && !line.contains('\n'),
@@ -180,11 +159,11 @@ fn bench_on_redis_measures_renewals_and_leaves_nothing_behind() {
 fn bench_exit_codes_match_the_other_commands() {
     let dir = tempfile::tempdir().unwrap();
     let bad = bench(dir.path(), &["--backend", "ftp://nowhere"]);
-    assert_eq!(bad.code, Some(64), "{}", bad.stderr);
+    assert_eq!(bad.code(), Some(64), "{}", bad.stderr);
 
     let closed = format!("redis://127.0.0.1:{}", free_port());
     let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
-    assert_eq!(down.code, Some(69), "{}", down.stderr);
+    assert_eq!(down.code(), Some(69), "{}", down.stderr);
 
     let closed = format!(
         "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
@@ -193,5 +172,5 @@ fn bench_exit_codes_match_the_other_commands() {
         free_port()
     );
     let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
-    assert_eq!(down.code, Some(69), "{}", down.stderr);
+    assert_eq!(down.code(), Some(69), "{}", down.stderr);
 }

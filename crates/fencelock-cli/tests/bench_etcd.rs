@@ -1,41 +1,23 @@
 //! `fencelock bench` against a real 3-member etcd cluster.
 #![allow(clippy::unwrap_used)]
 
-use std::fs::File;
-use std::process::{Command, Stdio};
+mod common;
+
 use std::time::Duration;
 
-use fencelock_testkit::{wait_until, EtcdCluster};
+use common::fencelock;
+use fencelock_testkit::EtcdCluster;
 
 #[test]
 fn bench_on_etcd_reports_the_put_rate_reference_and_leaves_no_key() {
     let c = EtcdCluster::start(3).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (out, err) = (dir.path().join("out"), dir.path().join("err"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fencelock"))
-        .args(["bench", "--backend", &c.url(), "--quick", "--seconds", "1"])
-        .env_remove("FENCELOCK_URL")
-        .stdin(Stdio::null())
-        .stdout(File::create(&out).unwrap())
-        .stderr(File::create(&err).unwrap())
-        .spawn()
+    let out = fencelock(&["bench", "--backend", &c.url(), "--quick", "--seconds", "1"])
+        .output_to(dir.path().join("out"), dir.path().join("err"))
+        .run(Duration::from_secs(180))
         .unwrap();
-    let mut status = None;
-    let done = wait_until(Duration::from_secs(180), || {
-        status = child.try_wait().unwrap();
-        status.is_some()
-    });
-    if !done {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
-    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-    assert!(
-        done,
-        "bench still running; stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{stdout}\n{stderr}");
+    let (stdout, stderr) = (&out.stdout, &out.stderr);
+    assert_eq!(out.code(), Some(0), "{stdout}\n{stderr}");
     for expected in [
         "fencelock bench: engine etcd",
         "sequential, 1 client",
