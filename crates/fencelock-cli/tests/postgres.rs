@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_lost_within, fencelock, fencelock_at, hold, FINISH};
+use common::{assert_lost_within, fencelock_at, hold, FINISH};
 use fencelock_testkit::{wait_until, PgServer};
 
 fn query(server: &PgServer, sql: &str) -> String {
@@ -81,36 +81,4 @@ fn run_is_terminated_when_the_server_restarts() {
     let mut holder = hold(&url, "30s", &dir);
     server.restart().unwrap();
     assert_lost_within(&mut holder, Duration::from_secs(5), &url);
-}
-
-/// `fencelock bench` on PostgreSQL prints the pgbench reference of the same statements and
-/// the ratios to it.
-#[test]
-fn bench_measures_pgbench_reference_in_the_same_run() {
-    let server = PgServer::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out = fencelock(&[
-        "bench",
-        "--backend",
-        &server.url(),
-        "--seconds",
-        "1",
-        "--quick",
-        "--json",
-    ])
-    .output_to(dir.path().join("bench.json"), dir.path().join("bench.err"))
-    .run(Duration::from_secs(120))
-    .unwrap();
-    let json = out.stdout;
-    assert_eq!(out.status.code(), Some(0), "{json}");
-    for field in [
-        "\"engine\":\"postgres\"",
-        "\"reference.pgbench.c1.pairs_per_s\":",
-        "\"reference.pgbench.c3.pairs_per_s\":",
-        "\"uncontended.sequential.pgbench_ratio\":",
-        "\"uncontended.tasks64.pgbench_ratio\":",
-        "\"reference.tool\":\"pgbench",
-    ] {
-        assert!(json.contains(field), "{field} missing from {json}");
-    }
 }

@@ -1,37 +1,13 @@
-//! `fencelock bench` as a real process: on a SQLite file and against a real redis-server.
+//! `fencelock-bench` as a real process: on a SQLite file, against a real redis-server and a
+//! real PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
-use common::{fencelock, Finished};
-use fencelock_testkit::{free_port, RedisServer};
-
-/// A whole quick bench takes about 25 s against Redis; this only catches a hung one.
-const LIMIT: Duration = Duration::from_secs(180);
-
-/// Runs `fencelock bench ARGS` with output in files under `dir`, so a full pipe can never
-/// stall it, and waits up to [`LIMIT`].
-fn bench(dir: &Path, args: &[&str]) -> Finished {
-    let (out, err) = (dir.join("bench.out"), dir.join("bench.err"));
-    let mut proc = fencelock(&["bench"])
-        .args(args)
-        .output_to(&out, &err)
-        .spawn()
-        .unwrap();
-    let finished = proc.wait(LIMIT);
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    assert!(
-        finished.is_ok(),
-        "bench {args:?} still running after {LIMIT:?}; stdout so far:\n{}\nstderr:\n{}",
-        read(&out),
-        read(&err)
-    );
-    finished.unwrap()
-}
+use common::bench;
+use fencelock_testkit::{free_port, Finished, PgServer, RedisServer};
 
 fn assert_sections(out: &Finished) {
     assert_eq!(
@@ -173,4 +149,35 @@ fn bench_exit_codes_match_the_other_commands() {
     );
     let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
     assert_eq!(down.code(), Some(69), "{}", down.stderr);
+}
+
+/// On PostgreSQL the bench prints the pgbench reference of the same statements and the ratios
+/// to it.
+#[test]
+fn bench_measures_pgbench_reference_in_the_same_run() {
+    let server = PgServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench(
+        dir.path(),
+        &[
+            "--backend",
+            &server.url(),
+            "--seconds",
+            "1",
+            "--quick",
+            "--json",
+        ],
+    );
+    let json = out.stdout;
+    assert_eq!(out.status.code(), Some(0), "{json}");
+    for field in [
+        "\"engine\":\"postgres\"",
+        "\"reference.pgbench.c1.pairs_per_s\":",
+        "\"reference.pgbench.c3.pairs_per_s\":",
+        "\"uncontended.sequential.pgbench_ratio\":",
+        "\"uncontended.tasks64.pgbench_ratio\":",
+        "\"reference.tool\":\"pgbench",
+    ] {
+        assert!(json.contains(field), "{field} missing from {json}");
+    }
 }

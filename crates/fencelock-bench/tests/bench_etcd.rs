@@ -1,21 +1,19 @@
-//! `fencelock bench` against a real 3-member etcd cluster.
+//! `fencelock-bench` against a real 3-member etcd cluster.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::time::Duration;
-
-use common::fencelock;
+use common::bench;
 use fencelock_testkit::EtcdCluster;
 
 #[test]
 fn bench_on_etcd_reports_the_put_rate_reference_and_leaves_no_key() {
     let c = EtcdCluster::start(3).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let out = fencelock(&["bench", "--backend", &c.url(), "--quick", "--seconds", "1"])
-        .output_to(dir.path().join("out"), dir.path().join("err"))
-        .run(Duration::from_secs(180))
-        .unwrap();
+    let out = bench(
+        dir.path(),
+        &["--backend", &c.url(), "--quick", "--seconds", "1"],
+    );
     let (stdout, stderr) = (&out.stdout, &out.stderr);
     assert_eq!(out.code(), Some(0), "{stdout}\n{stderr}");
     for expected in [
