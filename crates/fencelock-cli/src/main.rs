@@ -7,7 +7,6 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
-mod bench;
 mod chaos;
 mod demo;
 mod doctor;
@@ -76,13 +75,13 @@ enum Command {
     Release(ops::ReleaseArgs),
     /// Show the audit log of forced releases, newest first.
     Audit(ops::AuditArgs),
-    /// Measure the engine: uncontended and contended throughput, renewal load, reference.
-    Bench(bench::BenchArgs),
     /// Check a backend: reachability, latency, clocks, unsafe settings, TTL advice.
     Doctor(doctor::DoctorArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
-    /// The lock client the chaos suite drives.
+    /// Test support, not a user command: the lock client that the chaos suite
+    /// (`tests/chaos.rs`) starts as separate processes and drives through its ledger.
+    /// Hidden from `--help`.
     #[command(hide = true)]
     ChaosWorker(chaos::WorkerArgs),
 }
@@ -236,7 +235,6 @@ fn main() -> ExitCode {
             Command::Release(args) => ops::release(args).await,
             Command::Audit(args) => ops::audit(args).await,
             Command::Key { name, backend } => key(&name, &backend).await,
-            Command::Bench(args) => bench::bench(args).await,
             Command::Doctor(args) => doctor::doctor(args).await,
             Command::Demo(args) => demo::demo(args).await,
             Command::ChaosWorker(args) => chaos::worker(args).await,

@@ -9,21 +9,20 @@
 
 #[path = "history/checker.rs"]
 mod checker;
+mod common;
 
 use checker::{check, Grant, Verdict, Write};
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::{fencelock, Proc};
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
-
-const BIN: &str = env!("CARGO_BIN_EXE_fencelock");
 
 fn long_form() -> bool {
     std::env::var_os("FENCELOCK_CHAOS_LONG").is_some()
@@ -76,20 +75,10 @@ struct State {
 
 type Shared = Arc<Mutex<State>>;
 
-/// The worker processes, stopped by pid whatever happens.
-struct Workers(Vec<Child>);
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let pid = Pid::from_raw(c.id() as i32);
-            let _ = kill(pid, Signal::SIGCONT);
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+/// The worker processes, each stopped by its guard whatever happens.
+struct Workers(Vec<Proc>);
 
-type Spawner = Arc<dyn Fn(u32) -> Child + Send + Sync>;
+type Spawner = Arc<dyn Fn(u32) -> Proc + Send + Sync>;
 
 /// Starts workers during a run: a client started after a node's restart has never seen the
 /// node before, so nothing tells it the node lost its data.
@@ -252,9 +241,8 @@ where
         run.victim_env.clone(),
     );
     let spawn: Spawner = Arc::new(move |id: u32| {
-        let mut cmd = Command::new(BIN);
-        cmd.args(["chaos-worker", "--backend", &url, "--ttl"])
-            .arg(format!("{}ms", ttl.as_millis()))
+        let mut cmd = fencelock(&["chaos-worker", "--backend", &url, "--ttl"]);
+        cmd.arg(format!("{}ms", ttl.as_millis()))
             .arg("--max-ttl")
             .arg(format!("{}ms", max_ttl.as_millis()))
             .args([
@@ -264,9 +252,7 @@ where
                 &ledger,
             ])
             .args(["--id", &id.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .discard_output();
         if id % 10 == 0 {
             cmd.envs(victim_env.iter().cloned());
         }

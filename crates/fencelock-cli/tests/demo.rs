@@ -1,16 +1,18 @@
 //! `fencelock demo` tells the story and its fenced ledger refuses every stale write.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{fencelock, FINISH};
+
 #[test]
 fn demo_bills_every_customer_once_and_refuses_the_stalled_worker() {
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencelock"))
-        .args(["demo", "--ttl", "300ms", "--backend"])
+    let out = fencelock(&["demo", "--ttl", "300ms", "--backend"])
         .arg(format!("sqlite://{}/demo.db", dir.path().display()))
-        .stdin(std::process::Stdio::null())
-        .output()
+        .run(FINISH)
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = &out.stdout;
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert_eq!(text.matches("billed 1 time(s)").count(), 3, "{text}");
     assert_eq!(text.matches(": refused, token").count(), 3, "{text}");

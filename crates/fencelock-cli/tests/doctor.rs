@@ -1,18 +1,14 @@
 //! `fencelock doctor` against real Redis servers and a SQLite file.
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, Output, Stdio};
+mod common;
 
+use common::{fencelock, Finished, FINISH};
 use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
 
-fn doctor(args: &[&str]) -> (Output, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fencelock"))
-        .arg("doctor")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+fn doctor(args: &[&str]) -> (Finished, String) {
+    let out = fencelock(&["doctor"]).args(args).run(FINISH).unwrap();
+    let text = out.stdout.clone();
     (out, text)
 }
 

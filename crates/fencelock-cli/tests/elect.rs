@@ -1,13 +1,11 @@
 //! `fencelock elect` and `fencelock key` as real processes against a 3-member etcd cluster.
 #![allow(clippy::unwrap_used)]
 
-#[allow(dead_code)]
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{poll_until, wait_for_line, Proc, Sandbox, FINISH, WAIT_FOR_RELEASE};
+use common::{poll_until, wait_for_line, BinCommand, Proc, Sandbox, FINISH, WAIT_FOR_RELEASE};
 use fencelock_testkit::EtcdCluster;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -18,7 +16,7 @@ const TTL: Duration = Duration::from_secs(1);
 /// 500 ms, then the deletion reaches the waiter's watch.
 const MARGIN: Duration = Duration::from_millis(1500);
 
-fn elect(sb: &Sandbox, c: &EtcdCluster, name: &str, value: &str, tag: &str) -> Command {
+fn elect(sb: &Sandbox, c: &EtcdCluster, name: &str, value: &str, tag: &str) -> BinCommand {
     let mut cmd = sb.bare();
     cmd.args([
         "elect",
@@ -83,7 +81,7 @@ fn failover_when_the_leader_is_killed_or_stopped() {
     let took = killed.elapsed();
     assert!(took <= TTL + MARGIN, "failover after a kill took {took:?}");
     assert!(b_token > a_token);
-    let _ = a.wait(FINISH);
+    a.wait(FINISH).unwrap();
     kill_command(&sb, "a");
 
     let mut d = sb.spawn(elect(&sb, &c, "svc", "d", "d"));
@@ -95,7 +93,7 @@ fn failover_when_the_leader_is_killed_or_stopped() {
     assert!(took <= TTL + MARGIN, "failover after a stop took {took:?}");
     assert!(d_token > b_token);
     kill(b.pid(), Signal::SIGCONT).unwrap();
-    let out = b.wait(FINISH);
+    let out = b.wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
     assert!(
         out.stderr.contains("terminating the command"),
@@ -104,7 +102,7 @@ fn failover_when_the_leader_is_killed_or_stopped() {
     );
 
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(d.wait(FINISH).code(), Some(0));
+    assert_eq!(d.wait(FINISH).unwrap().code(), Some(0));
     assert_eq!(election_keys(&c, "svc"), 0);
 }
 
@@ -184,7 +182,7 @@ fn interoperates_with_etcdctl_elect() {
     let ctl_next = sb.spawn(c.ctl_command(&["elect", &name, "ctl-next"]));
     assert!(poll_until(FINISH, || election_keys(&c, "jobs%2Fprimary") == 2));
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(ours.wait(FINISH).code(), Some(0));
+    assert_eq!(ours.wait(FINISH).unwrap().code(), Some(0));
     let out = sb.path("proc-5.out");
     let lines = first_lines(&ctl_next, &out, 2);
     assert_eq!(lines[1], "ctl-next");
@@ -225,7 +223,7 @@ fn fencelock_run_and_etcdctl_lock_share_a_name() {
         "etcdctl lock got the lock while fencelock run held it"
     );
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(run.wait(FINISH).code(), Some(0));
+    assert_eq!(run.wait(FINISH).unwrap().code(), Some(0));
     let lines = first_lines(&ctl, &out, 1);
     assert!(lines[0].starts_with("/fencelock/v1/shared/"), "{lines:?}");
     assert!(token > 0);
@@ -249,7 +247,7 @@ fn elect_on_sqlite_runs_the_command_and_listen_shows_the_leader() {
     let lines = first_lines(&listener, &out, 1);
     assert_eq!(lines[0], format!("node-1\t{token}"));
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(leader.wait(FINISH).code(), Some(0));
+    assert_eq!(leader.wait(FINISH).unwrap().code(), Some(0));
     let lines = first_lines(&listener, &out, 2);
     assert_eq!(lines[1], "-\t-");
     drop(listener);

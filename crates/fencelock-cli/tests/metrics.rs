@@ -2,8 +2,6 @@
 //! format, scraped here with a plain HTTP/1.0 request while the command waits.
 #![allow(clippy::unwrap_used)]
 
-// Shared with run.rs, which uses the helpers this file does not.
-#[allow(dead_code)]
 mod common;
 
 use std::io::{Read, Write};
@@ -77,7 +75,7 @@ fn metrics_addr_serves_prometheus_text_while_the_command_runs() {
     );
 
     std::fs::write(sb.path("release"), "").unwrap();
-    let out = run.wait(FINISH);
+    let out = run.wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
     assert!(
         TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err(),

@@ -2,14 +2,11 @@
 //! against holders that are `fencelock run` processes, on SQLite, one Redis node and Redlock.
 #![allow(clippy::unwrap_used)]
 
-// Shared with run.rs, which uses the helpers this file does not.
-#[allow(dead_code)]
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{poll_until, wait_for_line, Sandbox, FINISH, WAIT_FOR_RELEASE};
+use common::{poll_until, wait_for_line, BinCommand, Sandbox, FINISH, WAIT_FOR_RELEASE};
 use fencelock::fence::MemoryFence;
 use fencelock::{ErrorKind, FencingToken};
 use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
@@ -21,21 +18,21 @@ const USAGE: i32 = 64;
 const LEASE_LOST: i32 = 79;
 
 /// `fencelock SUB --backend URL ARGS...`, run in the sandbox.
-fn on(sb: &Sandbox, url: &str, sub: &str, args: &[&str]) -> Command {
+fn on(sb: &Sandbox, url: &str, sub: &str, args: &[&str]) -> BinCommand {
     let mut cmd = sb.bare();
     cmd.arg(sub).arg("--backend").arg(url).args(args);
     cmd
 }
 
 /// `fencelock run --backend URL OPTS... NAME -- sh -c SCRIPT`.
-fn run_on(sb: &Sandbox, url: &str, opts: &[&str], name: &str, script: &str) -> Command {
+fn run_on(sb: &Sandbox, url: &str, opts: &[&str], name: &str, script: &str) -> BinCommand {
     let mut cmd = on(sb, url, "run", opts);
     cmd.arg(name).args(["--", "sh", "-c", script]);
     cmd
 }
 
 /// Runs a command that must exit 0, and returns its stdout.
-fn ok(sb: &Sandbox, cmd: Command) -> String {
+fn ok(sb: &Sandbox, cmd: BinCommand) -> String {
     let out = sb.run(cmd);
     assert_eq!(out.code(), Some(0), "{out:?}");
     out.stdout
@@ -86,7 +83,7 @@ fn hold(sb: &Sandbox, url: &str, opts: &[&str], name: &str, tag: &str) -> (commo
 fn kill_holder(holder: &mut common::Proc, command: Pid) {
     kill(holder.pid(), Signal::SIGKILL).unwrap();
     let _ = killpg(command, Signal::SIGKILL);
-    holder.wait(FINISH);
+    holder.wait(FINISH).unwrap();
 }
 
 /// Refused against a live holder; after the holder is SIGKILLed (its lock still has most of a
@@ -257,7 +254,7 @@ fn holder_declared_dead_loses_its_lease(url: &str) {
         field(&record, "assessment").contains("is running on this host"),
         "{record}"
     );
-    let out = holder.wait(Duration::from_secs(10));
+    let out = holder.wait(Duration::from_secs(10)).unwrap();
     assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
     assert!(out.stderr.contains("force-released"), "{}", out.stderr);
 }
@@ -323,7 +320,7 @@ fn inspect_and_list_held_expired_and_force_released(url: &str) {
     }
 
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(held.wait(FINISH).code(), Some(0));
+    assert_eq!(held.wait(FINISH).unwrap().code(), Some(0));
 }
 
 #[test]
@@ -405,5 +402,5 @@ fn release_needs_force_and_a_reason() {
     assert_eq!(out.code(), Some(USAGE), "{out:?}");
     assert!(sb.inspect("kept").starts_with("kept: held by"));
     std::fs::write(sb.path("release"), "").unwrap();
-    assert_eq!(holder.wait(FINISH).code(), Some(0));
+    assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
 }

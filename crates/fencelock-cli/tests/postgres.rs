@@ -2,12 +2,11 @@
 //! `psql` takes, and a holder whose session ends has its command terminated.
 #![allow(clippy::unwrap_used)]
 
-mod child;
+mod common;
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use child::{assert_lost_within, fencelock, hold, Proc, BIN};
+use common::{assert_lost_within, fencelock_at, hold, FINISH};
 use fencelock_testkit::{wait_until, PgServer};
 
 fn query(server: &PgServer, sql: &str) -> String {
@@ -17,9 +16,9 @@ fn query(server: &PgServer, sql: &str) -> String {
 }
 
 fn advisory_key(url: &str, name: &str) -> i64 {
-    let out = fencelock(url, &["key", name]).output().unwrap();
+    let out = fencelock_at(url, &["key", name]).run(FINISH).unwrap();
     assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = out.stdout;
     let line = text.lines().find(|l| l.starts_with("advisory\t"));
     assert!(line.is_some(), "{text}");
     line.unwrap()["advisory\t".len()..].parse().unwrap()
@@ -36,8 +35,8 @@ fn key_is_the_advisory_lock_psql_takes() {
         query(&server, &format!("SELECT pg_try_advisory_lock({k})")),
         "f"
     );
-    let out = fencelock(&url, &["run", "job", "--", "true"])
-        .output()
+    let out = fencelock_at(&url, &["run", "job", "--", "true"])
+        .run(FINISH)
         .unwrap();
     assert_eq!(out.status.code(), Some(75), "{out:?}");
     drop(holder);
@@ -45,10 +44,10 @@ fn key_is_the_advisory_lock_psql_takes() {
     assert!(wait_until(Duration::from_secs(10), || {
         query(&server, &format!("SELECT pg_try_advisory_lock({k})")) == "t"
     }));
-    let out = fencelock(&format!("{url}?mode=lease"), &["key", "job"])
-        .output()
+    let out = fencelock_at(&format!("{url}?mode=lease"), &["key", "job"])
+        .run(FINISH)
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = &out.stdout;
     assert!(
         text.contains("row\tfencelock_leases.key = fencelock:v1:job"),
         "{text}"
@@ -82,47 +81,4 @@ fn run_is_terminated_when_the_server_restarts() {
     let mut holder = hold(&url, "30s", &dir);
     server.restart().unwrap();
     assert_lost_within(&mut holder, Duration::from_secs(5), &url);
-}
-
-/// `fencelock bench` on PostgreSQL prints the pgbench reference of the same statements and
-/// the ratios to it.
-#[test]
-fn bench_measures_pgbench_reference_in_the_same_run() {
-    let server = PgServer::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out_path = dir.path().join("bench.json");
-    let child = Command::new(BIN)
-        .args([
-            "bench",
-            "--backend",
-            &server.url(),
-            "--seconds",
-            "1",
-            "--quick",
-            "--json",
-        ])
-        .env_remove("FENCELOCK_URL")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut child = Proc(child);
-    let mut status = None;
-    assert!(wait_until(Duration::from_secs(120), || {
-        status = child.0.try_wait().unwrap();
-        status.is_some()
-    }));
-    let json = std::fs::read_to_string(&out_path).unwrap();
-    assert_eq!(status.unwrap().code(), Some(0), "{json}");
-    for field in [
-        "\"engine\":\"postgres\"",
-        "\"reference.pgbench.c1.pairs_per_s\":",
-        "\"reference.pgbench.c3.pairs_per_s\":",
-        "\"uncontended.sequential.pgbench_ratio\":",
-        "\"uncontended.tasks64.pgbench_ratio\":",
-        "\"reference.tool\":\"pgbench",
-    ] {
-        assert!(json.contains(field), "{field} missing from {json}");
-    }
 }

@@ -1,12 +1,12 @@
 //! `fencelock run` against real Redis servers: one node and a Redlock quorum.
 #![allow(clippy::unwrap_used)]
 
-mod child;
+mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
-use child::{assert_lost_within, fencelock, hold, Proc};
+use common::{assert_lost_within, fencelock_at, hold, FINISH};
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, wait_until, RedisServer};
 
 fn read(path: &Path) -> String {
@@ -22,14 +22,10 @@ fn runs_and_hands_out_increasing_tokens(url: &str) {
     for i in 0..3 {
         let out_file = dir.path().join(format!("t{i}"));
         let script = format!("echo $FENCELOCK_TOKEN > {}", out_file.display());
-        let out = fencelock(url, &["run", "job", "--", "sh", "-c", &script])
-            .output()
+        let out = fencelock_at(url, &["run", "job", "--", "sh", "-c", &script])
+            .run(FINISH)
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", out.stderr);
         tokens.push(read(&out_file).parse::<u64>().unwrap());
     }
     assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
@@ -42,24 +38,22 @@ fn runs_and_hands_out_increasing_tokens(url: &str) {
         ready.display(),
         release.display()
     );
-    let holder = Proc(
-        fencelock(url, &["run", "job", "--", "sh", "-c", &script])
-            .spawn()
-            .unwrap(),
-    );
+    let holder = fencelock_at(url, &["run", "job", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
     assert!(wait_until(Duration::from_secs(10), || ready.exists()));
-    let out = fencelock(url, &["run", "job", "--", "true"])
-        .output()
+    let out = fencelock_at(url, &["run", "job", "--", "true"])
+        .run(FINISH)
         .unwrap();
     assert_eq!(out.status.code(), Some(75));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = &out.stderr;
     assert!(
         stderr.contains("fencelock-run") && stderr.contains("pid"),
         "{stderr}"
     );
     std::fs::write(&release, "").unwrap();
     let mut holder = holder;
-    let status = holder.0.wait().unwrap();
+    let status = holder.wait(FINISH).unwrap().status;
     assert!(status.success());
 }
 
@@ -78,17 +72,17 @@ fn run_on_redlock() {
 #[test]
 fn key_prints_the_lock_key_for_redis_cli() {
     let server = RedisServer::start().unwrap();
-    let out = fencelock(&server.url(), &["key", "{a}:b"])
-        .output()
+    let out = fencelock_at(&server.url(), &["key", "{a}:b"])
+        .run(FINISH)
         .unwrap();
     assert!(out.status.success());
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = &out.stdout;
     assert!(text.contains("lock\tfencelock:v1:lock:{a}:b"), "{text}");
     assert!(text.contains("fence\tfencelock:v1:fence:{a}:b"), "{text}");
-    let out = fencelock(&server.url(), &["key", "--prefix", "billing:", "x"])
-        .output()
+    let out = fencelock_at(&server.url(), &["key", "--prefix", "billing:", "x"])
+        .run(FINISH)
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = &out.stdout;
     assert!(text.contains("lock\tbilling:lock:x"), "{text}");
 }
 

@@ -48,7 +48,7 @@ fn one_of_ten_concurrent_runs_gets_the_lock() {
     assert_eq!(ran.lines().count(), 1, "commands that ran: {ran:?}");
 
     for mut p in finished {
-        let out = p.wait(FINISH);
+        let out = p.wait(FINISH).unwrap();
         assert_eq!(out.code(), Some(HELD), "{out:?}");
         assert!(
             out.stderr.contains(&format!("pid {holder_pid}")),
@@ -65,7 +65,7 @@ fn one_of_ten_concurrent_runs_gets_the_lock() {
     );
 
     std::fs::write(sb.path("release"), "").unwrap();
-    let out = running[0].wait(FINISH);
+    let out = running[0].wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
     assert_eq!(sb.inspect("contended"), "contended: free");
 }
@@ -81,7 +81,7 @@ fn waiting_runs_take_turns_with_increasing_tokens() {
         .map(|_| sb.spawn(sb.run_sh(&["--wait", "60s"], "turns", script)))
         .collect();
     for p in &mut procs {
-        let out = p.wait(Duration::from_secs(60));
+        let out = p.wait(Duration::from_secs(60)).unwrap();
         assert_eq!(out.code(), Some(0), "{out:?}");
     }
 
@@ -153,7 +153,7 @@ fn stopped_holder_is_fenced_and_its_command_terminated_on_resume() {
     killpg(command, Signal::SIGCONT).unwrap();
     let resumed = Instant::now();
     kill(first.pid(), Signal::SIGCONT).unwrap();
-    let out = first.wait(Duration::from_secs(5));
+    let out = first.wait(Duration::from_secs(5)).unwrap();
     assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
     assert!(out.stderr.contains("lost"), "{}", out.stderr);
     assert!(
@@ -192,7 +192,7 @@ fn command_ignoring_sigterm_is_killed_after_the_grace_period() {
 
     let resumed = Instant::now();
     kill(first.pid(), Signal::SIGCONT).unwrap();
-    let out = first.wait(Duration::from_secs(6));
+    let out = first.wait(Duration::from_secs(6)).unwrap();
     assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
     assert!(
         resumed.elapsed() >= Duration::from_secs(1),
@@ -342,7 +342,7 @@ fn fencelock_url_selects_the_backend_without_flag() {
     assert!(!sb.path("state").exists(), "the default database was used");
 
     std::fs::write(sb.path("release"), "").unwrap();
-    let out = holder.wait(FINISH);
+    let out = holder.wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
 }
 
@@ -359,7 +359,7 @@ fn sigterm_is_forwarded_and_the_lock_released() {
     ));
     wait_for_line(&sb.path("r"), FINISH);
     kill(p.pid(), Signal::SIGTERM).unwrap();
-    let out = p.wait(FINISH);
+    let out = p.wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(7), "{out:?}");
     assert_eq!(
         std::fs::read_to_string(sb.path("f")).unwrap().trim(),
@@ -389,7 +389,7 @@ fn if_held_skip_exits_0_without_running() {
     assert!(!sb.path("ran").exists(), "the skipped command ran");
 
     std::fs::write(sb.path("release"), "").unwrap();
-    let out = holder.wait(FINISH);
+    let out = holder.wait(FINISH).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
     assert_eq!(sb.inspect("skipme"), "skipme: free");
 }

@@ -9,7 +9,10 @@
 //! [`PgServer`] does the same for PostgreSQL, whose restart is a crash and a
 //! recovery that keeps committed data, and [`PgBouncer`] puts a transaction
 //! pooler in front of one. [`EtcdCluster`] starts an N-member etcd cluster with
-//! members that can be killed, restarted and paused one by one.
+//! members that can be killed, restarted and paused one by one. [`BinCommand`]
+//! starts the binaries under test themselves (`fencelock`, `fencelock-bench`)
+//! with a clean environment, output captured in files, and a [`Proc`] guard
+//! that stops them when a test ends.
 //!
 //! Nothing is installed: the binaries must already be present (on Debian,
 //! `apt-get install redis-server postgresql`), or be named by the
@@ -20,6 +23,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod command;
 mod etcd;
 mod postgres;
 mod proc;
@@ -28,6 +32,7 @@ mod redis;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
+pub use command::{BinCommand, Finished, Proc, ProcError};
 pub use etcd::{EtcdCluster, EtcdTls};
 pub use postgres::{PgBouncer, PgServer};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};

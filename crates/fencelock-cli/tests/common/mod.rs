@@ -1,15 +1,36 @@
-//! Helpers for driving the real `fencelock` binary: a sandbox directory with its own SQLite
-//! file, processes that are killed when a test fails, and polling with deadlines.
+//! Helpers for driving the real `fencelock` binary. Every test starts it through [`fencelock`]:
+//! the test kit's [`BinCommand`] pointed at this build's binary, so each invocation gets the
+//! same clean environment, output captured in files and a [`Proc`] guard that stops it when
+//! the test ends. Around it: a sandbox directory with its own SQLite file, a `fencelock run`
+//! holder on any backend, and polling with deadlines.
+// Each test binary compiles this module and uses only part of it.
+#![allow(dead_code)]
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, killpg, Signal};
+use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
+
+pub use fencelock_testkit::wait_until as poll_until;
+pub use fencelock_testkit::{BinCommand, Finished, Proc};
+
+/// `fencelock ARGS`, with stdin from `/dev/null` and no `FENCELOCK_*` variable inherited from
+/// the test's own environment.
+pub fn fencelock(args: &[&str]) -> BinCommand {
+    let mut cmd = BinCommand::new(env!("CARGO_BIN_EXE_fencelock"));
+    cmd.args(args);
+    cmd
+}
+
+/// `fencelock ARGS` with `FENCELOCK_URL=url`.
+pub fn fencelock_at(url: &str, args: &[&str]) -> BinCommand {
+    let mut cmd = fencelock(args);
+    cmd.env("FENCELOCK_URL", url);
+    cmd
+}
 
 /// Upper bound for a fencelock invocation that is expected to finish on its own.
 pub const FINISH: Duration = Duration::from_secs(30);
@@ -52,52 +73,42 @@ impl Sandbox {
 
     /// `fencelock` with no arguments, run in the sandbox, with an environment that cannot
     /// reach any lock database outside it.
-    pub fn bare(&self) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fencelock"));
+    pub fn bare(&self) -> BinCommand {
+        let mut cmd = fencelock(&[]);
         cmd.current_dir(self.dir.path())
-            .env_remove("FENCELOCK_URL")
-            .env_remove("FENCELOCK_LOG")
-            .env("XDG_STATE_HOME", self.path("state"))
-            .stdin(Stdio::null());
+            .env("XDG_STATE_HOME", self.path("state"));
         cmd
     }
 
     /// `fencelock SUB --backend <sandbox db> ARGS...`.
-    pub fn fencelock(&self, sub: &str, args: &[&str]) -> Command {
+    pub fn fencelock(&self, sub: &str, args: &[&str]) -> BinCommand {
         let mut cmd = self.bare();
         cmd.arg(sub).arg("--backend").arg(&self.url).args(args);
         cmd
     }
 
     /// `fencelock run --backend <sandbox db> OPTS... NAME -- sh -c SCRIPT`.
-    pub fn run_sh(&self, opts: &[&str], name: &str, script: &str) -> Command {
+    pub fn run_sh(&self, opts: &[&str], name: &str, script: &str) -> BinCommand {
         let mut cmd = self.fencelock("run", opts);
         cmd.arg(name).args(["--", "sh", "-c", script]);
         cmd
     }
 
-    /// Starts a process whose stdout and stderr go to files in the sandbox (never pipes, so
-    /// that reading them cannot block on a grandchild that inherited them).
-    pub fn spawn(&self, mut cmd: Command) -> Proc {
+    /// Starts a process whose stdout and stderr go to `proc-N.out` and `proc-N.err` in the
+    /// sandbox, N counting the processes started from it.
+    pub fn spawn(&self, cmd: impl Into<BinCommand>) -> Proc {
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let stdout = self.path(&format!("proc-{n}.out"));
-        let stderr = self.path(&format!("proc-{n}.err"));
-        cmd.stdout(File::create(&stdout).expect("create stdout file"))
-            .stderr(File::create(&stderr).expect("create stderr file"));
-        let child = cmd.spawn().expect("start fencelock");
-        Proc {
-            child,
-            what: format!("{cmd:?}"),
-            stdout,
-            stderr,
-            groups: Vec::new(),
-            status: None,
-        }
+        let mut cmd = cmd.into();
+        cmd.output_to(
+            self.path(&format!("proc-{n}.out")),
+            self.path(&format!("proc-{n}.err")),
+        );
+        cmd.spawn().unwrap()
     }
 
     /// Runs a process to completion (at most [`FINISH`]).
-    pub fn run(&self, cmd: Command) -> Finished {
-        self.spawn(cmd).wait(FINISH)
+    pub fn run(&self, cmd: impl Into<BinCommand>) -> Finished {
+        self.spawn(cmd).wait(FINISH).unwrap()
     }
 
     /// `fencelock inspect NAME` on the sandbox database; returns its stdout, trimmed.
@@ -108,111 +119,9 @@ impl Sandbox {
     }
 }
 
-/// A started process. Dropping it while the process still runs (a failing test) stops it:
-/// SIGCONT and SIGTERM first, so fencelock can forward the signal to its command, then SIGKILL.
-/// Process groups handed to [`Proc::adopt_group`] are killed as well.
-pub struct Proc {
-    child: Child,
-    what: String,
-    stdout: PathBuf,
-    stderr: PathBuf,
-    groups: Vec<Pid>,
-    status: Option<ExitStatus>,
-}
-
-impl Proc {
-    pub fn pid(&self) -> Pid {
-        Pid::from_raw(i32::try_from(self.child.id()).expect("pid fits in i32"))
-    }
-
-    /// Kill this process group too when the guard is dropped.
-    pub fn adopt_group(&mut self, pgid: Pid) {
-        self.groups.push(pgid);
-    }
-
-    /// The exit status, if the process has exited (reaping it).
-    pub fn try_finish(&mut self) -> Option<ExitStatus> {
-        if self.status.is_none() {
-            self.status = self.child.try_wait().expect("try_wait");
-        }
-        self.status
-    }
-
-    /// Whether [`Proc::try_finish`] has seen the process exit.
-    pub fn exited(&self) -> bool {
-        self.status.is_some()
-    }
-
-    /// Waits up to `limit` for the process to exit and returns what it printed.
-    pub fn wait(&mut self, limit: Duration) -> Finished {
-        let exited = poll_until(limit, || self.try_finish().is_some());
-        assert!(
-            exited,
-            "still running after {limit:?}: {}\nstderr so far: {}",
-            self.what,
-            self.stderr()
-        );
-        Finished {
-            status: self.status.expect("exited"),
-            stdout: read(&self.stdout),
-            stderr: read(&self.stderr),
-        }
-    }
-
-    pub fn stderr(&self) -> String {
-        read(&self.stderr)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.try_finish_quietly() {
-            let pid = self.pid();
-            let _ = kill(pid, Signal::SIGCONT);
-            let _ = kill(pid, Signal::SIGTERM);
-            if !poll_until(Duration::from_secs(2), || !self.try_finish_quietly()) {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-            }
-        }
-        for &g in &self.groups {
-            let _ = killpg(g, Signal::SIGKILL);
-        }
-    }
-}
-
-impl Proc {
-    /// Whether the process is still running; never panics (used from `Drop`).
-    fn try_finish_quietly(&mut self) -> bool {
-        if self.status.is_none() {
-            match self.child.try_wait() {
-                Ok(s) => self.status = s,
-                Err(_) => return false,
-            }
-        }
-        self.status.is_none()
-    }
-}
-
-/// A process that has exited, with its output.
-#[derive(Debug)]
-pub struct Finished {
-    pub status: ExitStatus,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-impl Finished {
-    pub fn code(&self) -> Option<i32> {
-        self.status.code()
-    }
-}
-
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
-
-pub use fencelock_testkit::wait_until as poll_until;
 
 /// Waits (up to `limit`) for a file that a command writes with `echo ... > file` to hold a
 /// complete line, and returns its content trimmed.
@@ -269,4 +178,31 @@ fn holds_write_lock(pid: Pid) -> bool {
         // "1: POSIX  ADVISORY  WRITE 12345 fe:00:123 120 120"
         fields.len() >= 5 && fields[3] == "WRITE" && fields[4] == pid
     })
+}
+
+/// Starts `fencelock run --ttl TTL job` on `url`, holding the lock until stopped; returns once
+/// the command runs (it touches a file in `dir`).
+pub fn hold(url: &str, ttl: &str, dir: &TempDir) -> Proc {
+    let ready = dir.path().join("ready");
+    let script = format!("touch {}; exec sleep 100", ready.display());
+    let child = fencelock_at(
+        url,
+        &["run", "--ttl", ttl, "job", "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    assert!(poll_until(Duration::from_secs(10), || ready.exists()));
+    child
+}
+
+/// Waits for `fencelock run` to exit; it must exit 79 (lease lost) within `limit`, saying so.
+/// `what` names the case in failure messages.
+pub fn assert_lost_within(child: &mut Proc, limit: Duration, what: &str) {
+    let since = Instant::now();
+    let out = child.wait(Duration::from_secs(10));
+    assert!(out.is_ok(), "{what}: {out:?}");
+    let out = out.unwrap();
+    assert_eq!(out.code(), Some(79), "{what}");
+    assert!(since.elapsed() < limit, "{what}: {:?}", since.elapsed());
+    assert!(out.stderr.contains("lost"), "{what}: {}", out.stderr);
 }

@@ -6,37 +6,37 @@
 
 use std::time::Duration;
 
-use super::servers::Servers;
+use crate::servers::Servers;
 
 /// The key `redis-benchmark -t set` writes.
-pub(super) const REFERENCE_SET_KEY: &str = "key:__rand_int__";
+pub(crate) const REFERENCE_SET_KEY: &str = "key:__rand_int__";
 
 /// `redis-benchmark` against the first node: SET, and EVALSHA of a trivial script, each the
 /// cheapest single round trip of its kind, as a ceiling for one acquire plus one release.
 #[derive(Clone)]
-pub(super) struct Reference {
+pub(crate) struct Reference {
     bin: String,
-    pub(super) version: String,
-    pub(super) node: String,
+    pub(crate) version: String,
+    pub(crate) node: String,
     args: Vec<String>,
     sha: String,
-    pub(super) created_set_key: bool,
+    pub(crate) created_set_key: bool,
 }
 
 #[derive(Clone)]
-pub(super) struct PairRate {
-    pub(super) set: f64,
-    pub(super) evalsha: f64,
+pub(crate) struct PairRate {
+    pub(crate) set: f64,
+    pub(crate) evalsha: f64,
 }
 
 impl PairRate {
-    pub(super) fn pair(&self) -> f64 {
+    pub(crate) fn pair(&self) -> f64 {
         1.0 / (1.0 / self.set + 1.0 / self.evalsha)
     }
 }
 
 impl Reference {
-    pub(super) async fn prepare(servers: &Servers) -> std::result::Result<Reference, String> {
+    pub(crate) async fn prepare(servers: &Servers) -> std::result::Result<Reference, String> {
         let bin = std::env::var("FENCELOCK_REDIS_BENCHMARK")
             .ok()
             .filter(|b| !b.is_empty())
@@ -84,12 +84,12 @@ impl Reference {
         })
     }
 
-    pub(super) async fn measure(&self, clients: u32) -> std::result::Result<PairRate, String> {
+    pub(crate) async fn measure(&self, clients: u32) -> std::result::Result<PairRate, String> {
         self.measure_n(clients, if clients == 1 { 20_000 } else { 100_000 })
             .await
     }
 
-    pub(super) async fn measure_n(
+    pub(crate) async fn measure_n(
         &self,
         clients: u32,
         requests: u32,
@@ -153,16 +153,16 @@ fn first_line(s: &str) -> Option<&str> {
 }
 
 /// A reference measured before and after a fencelock run.
-pub(super) struct Bracket {
-    pub(super) set: f64,
-    pub(super) evalsha: f64,
-    pub(super) pair: f64,
+pub(crate) struct Bracket {
+    pub(crate) set: f64,
+    pub(crate) evalsha: f64,
+    pub(crate) pair: f64,
     /// Each run's pair rate, in order.
-    pub(super) runs: Vec<f64>,
+    pub(crate) runs: Vec<f64>,
 }
 
 impl Bracket {
-    pub(super) fn of(
+    pub(crate) fn of(
         results: impl IntoIterator<Item = Option<std::result::Result<PairRate, String>>>,
     ) -> std::result::Result<Bracket, String> {
         let (mut runs, mut errors) = (Vec::new(), Vec::new());
@@ -190,7 +190,7 @@ impl Bracket {
 }
 
 /// The median of some ratios (the mean of the middle two for an even count).
-pub(super) fn median(mut v: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     match n {

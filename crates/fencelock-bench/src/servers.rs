@@ -7,51 +7,27 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use anyhow::Result;
-use fencelock::{Client, HostPort};
+use fencelock::Client;
 
-use super::reference::{Reference, REFERENCE_SET_KEY};
-use crate::{exit, Exit};
-
-/// The parts of a `redis://` or `redlock://` URL the bench needs to reach the nodes itself.
-pub(super) struct RedisTarget {
-    pub(super) nodes: Vec<HostPort>,
-    /// One `redis://` URL per node, credentials included, for the redis crate.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(super) urls: Vec<String>,
-    pub(super) user: Option<String>,
-    pub(super) password: Option<String>,
-    pub(super) db: i64,
-}
-
-fn redis_target(url: &str) -> std::result::Result<RedisTarget, String> {
-    match fencelock::Backend::parse(url).map_err(|e| e.to_string())? {
-        #[cfg(feature = "redis")]
-        fencelock::Backend::Redis(u) => Ok(RedisTarget {
-            urls: u.node_urls(),
-            nodes: u.nodes,
-            user: u.user,
-            password: u.password,
-            db: u.db,
-        }),
-        _ => Err("not a Redis backend".to_owned()),
-    }
-}
+use crate::cli::{exit, Exit};
+use crate::engine::RedisTarget;
+use crate::reference::{Reference, REFERENCE_SET_KEY};
 
 /// The engine's nodes, reached directly (not through fencelock) to read their command counters
 /// and to delete what the bench wrote.
-pub(super) struct Servers {
-    pub(super) target: RedisTarget,
-    pub(super) addrs: Vec<String>,
+pub(crate) struct Servers {
+    pub(crate) target: RedisTarget,
+    pub(crate) addrs: Vec<String>,
     conns: Vec<NodeConn>,
 }
 
 #[cfg(feature = "redis")]
-pub(super) type NodeConn = redis::aio::MultiplexedConnection;
+pub(crate) type NodeConn = redis::aio::MultiplexedConnection;
 // Without the feature no Redis URL gets past `connect`, so no node is ever opened.
 #[cfg(not(feature = "redis"))]
-pub(super) type NodeConn = ();
+pub(crate) type NodeConn = ();
 
-pub(super) const NODE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const NODE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One reply of a node: a bulk string or an integer.
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -61,22 +37,18 @@ enum Reply {
 }
 
 impl Servers {
-    pub(super) async fn open(url: &str) -> Result<Servers> {
-        let target = redis_target(url).map_err(|e| {
-            eprintln!("fencelock: backend URL: {e}");
-            Exit(exit::USAGE)
-        })?;
+    pub(crate) async fn open(target: RedisTarget) -> Result<Servers> {
         let mut conns = Vec::new();
         let mut addrs = Vec::new();
         for (node, node_url) in target.nodes.iter().zip(&target.urls) {
             match tokio::time::timeout(NODE_TIMEOUT, open_node(node_url)).await {
                 Ok(Ok(c)) => conns.push(c),
                 Ok(Err(e)) => {
-                    eprintln!("fencelock: cannot reach redis node {node}: {e}");
+                    eprintln!("fencelock-bench: cannot reach redis node {node}: {e}");
                     return Err(Exit(exit::UNAVAILABLE).into());
                 }
                 Err(_) => {
-                    eprintln!("fencelock: no answer from redis node {node} within 5s");
+                    eprintln!("fencelock-bench: no answer from redis node {node} within 5s");
                     return Err(Exit(exit::UNAVAILABLE).into());
                 }
             }
@@ -100,7 +72,7 @@ impl Servers {
         }
     }
 
-    pub(super) async fn text(
+    pub(crate) async fn text(
         &self,
         node: usize,
         args: &[&str],
@@ -111,7 +83,7 @@ impl Servers {
         }
     }
 
-    pub(super) async fn int(&self, node: usize, args: &[&str]) -> std::result::Result<u64, String> {
+    pub(crate) async fn int(&self, node: usize, args: &[&str]) -> std::result::Result<u64, String> {
         match self.call(node, args).await? {
             Reply::Int(i) => Ok(u64::try_from(i).unwrap_or(0)),
             Reply::Text(t) => t.parse().map_err(|_| format!("unexpected reply {t:?}")),
@@ -120,7 +92,7 @@ impl Servers {
 
     /// Splits a node's call counts into requests (commands no script can run: EVALSHA, EVAL,
     /// SCRIPT, connection commands) and the rest, most of which the scripts ran.
-    pub(super) async fn requests(
+    pub(crate) async fn requests(
         &self,
         node: usize,
         calls: &CommandStats,
@@ -146,7 +118,7 @@ impl Servers {
             .sum())
     }
 
-    pub(super) async fn commandstats(&self) -> std::result::Result<Vec<CommandStats>, String> {
+    pub(crate) async fn commandstats(&self) -> std::result::Result<Vec<CommandStats>, String> {
         let mut all = Vec::with_capacity(self.conns.len());
         for node in 0..self.conns.len() {
             let text = self.text(node, &["INFO", "commandstats"]).await?;
@@ -158,7 +130,7 @@ impl Servers {
     /// Deletes the keys of every name the bench used (fencing counters, metadata, queues) on
     /// every node, and redis-benchmark's SET key if the bench created it. The names carry a
     /// random run id, so nothing else can be using these counters.
-    pub(super) async fn delete_bench_keys(
+    pub(crate) async fn delete_bench_keys(
         &self,
         client: &Client,
         names: &[String],
@@ -198,7 +170,7 @@ impl Servers {
 }
 
 #[cfg(feature = "redis")]
-pub(super) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
+pub(crate) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
     redis::Client::open(url)?
         .get_multiplexed_async_connection()
         .await
@@ -250,7 +222,7 @@ async fn noscript_flags(_: &NodeConn, _: &[&str]) -> std::result::Result<Vec<boo
 }
 
 #[cfg(not(feature = "redis"))]
-pub(super) async fn open_node(_: &str) -> std::result::Result<NodeConn, String> {
+pub(crate) async fn open_node(_: &str) -> std::result::Result<NodeConn, String> {
     Err("this build of fencelock lacks the `redis` feature".to_owned())
 }
 
@@ -260,7 +232,7 @@ async fn call_node(_: &NodeConn, _: &[&str]) -> std::result::Result<Reply, Strin
 }
 
 #[derive(Default)]
-pub(super) struct CommandStats {
+pub(crate) struct CommandStats {
     calls: Vec<(String, u64)>,
 }
 
@@ -283,7 +255,7 @@ impl CommandStats {
         CommandStats { calls }
     }
 
-    pub(super) fn delta(before: &CommandStats, after: &CommandStats) -> CommandStats {
+    pub(crate) fn delta(before: &CommandStats, after: &CommandStats) -> CommandStats {
         let calls = after
             .calls
             .iter()
@@ -300,12 +272,12 @@ impl CommandStats {
         CommandStats { calls }
     }
 
-    pub(super) fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.calls.iter().map(|(_, n)| n).sum()
     }
 
     /// The busiest commands, with `own` calls of `own_cmd` (the bench's) taken off.
-    pub(super) fn top(&self, n: usize, own_cmd: &str, own: u64) -> String {
+    pub(crate) fn top(&self, n: usize, own_cmd: &str, own: u64) -> String {
         let mut calls: Vec<(String, u64)> = self
             .calls
             .iter()
@@ -337,20 +309,6 @@ impl CommandStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redis_urls_give_node_addresses_and_credentials() {
-        let Ok(t) = redis_target("redlock://app:p%40ss@10.0.0.1:7000,[::1]:7001,h/3") else {
-            unreachable!("parse failed")
-        };
-        let addrs: Vec<String> = t.nodes.iter().map(ToString::to_string).collect();
-        assert_eq!(addrs, ["10.0.0.1:7000", "[::1]:7001", "h:6379"]);
-        assert_eq!(t.user.as_deref(), Some("app"));
-        assert_eq!(t.password.as_deref(), Some("p@ss"));
-        assert_eq!(t.urls[0], "redis://app:p%40ss@10.0.0.1:7000/3");
-        assert_eq!(t.db, 3);
-        assert!(redis_target("sqlite:///tmp/x.db").is_err());
-    }
 
     #[test]
     fn commandstats_deltas() {

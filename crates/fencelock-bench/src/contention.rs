@@ -13,11 +13,11 @@ use fencelock::{Client, ErrorKind, LockOptions};
 use tokio::sync::{mpsc, oneshot, Barrier};
 use tokio::time::Instant;
 
-use super::plumbing::{bounded, dur, rate, ratio_text, Samples, Stop};
-use super::servers::{CommandStats, Servers};
-use super::uncontended::PairTimes;
-use super::{runtime, Bench, LibResult, CLIENT_NAME};
-use crate::{connect, fail, BackendArg};
+use crate::cli::{connect, fail, BackendArg};
+use crate::plumbing::{bounded, dur, rate, ratio_text, Samples, Stop};
+use crate::servers::{CommandStats, Servers};
+use crate::uncontended::PairTimes;
+use crate::{runtime, Bench, LibResult, CLIENT_NAME};
 
 const CONTENDERS: usize = 16;
 const HOLD: Duration = Duration::from_millis(1);
@@ -29,7 +29,7 @@ const TARGET_WAIT_P99: Duration = Duration::from_millis(50);
 const TARGET_FAIR_RATIO: f64 = 1.5;
 
 impl Bench<'_> {
-    pub(super) async fn contention(&mut self, servers: Option<&Servers>) -> Result<()> {
+    pub(crate) async fn contention(&mut self, servers: Option<&Servers>) -> Result<()> {
         self.out.line(String::new());
         self.out.line(format!(
             "== 2. contention: {CONTENDERS} workers, one name, acquire (wait 10 s), hold 1 ms, \
@@ -43,10 +43,10 @@ impl Bench<'_> {
         self.out.line(format!(
             "workers: {CONTENDERS}, each its own thread with a single-threaded runtime and its \
              own Client (own connections{}), as separate processes would be",
-            if self.engine == "sqlite" {
-                ""
-            } else {
+            if self.engine.subscribes_to_wake_ups() {
                 " and wake-up subscription"
+            } else {
+                ""
             }
         ));
         let name = self.names.take("contended");

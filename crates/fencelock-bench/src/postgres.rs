@@ -1,4 +1,4 @@
-//! The PostgreSQL reference for `fencelock bench`: the server's own rate for the statements
+//! The PostgreSQL reference of the bench: the server's own rate for the statements
 //! one acquire+release pair sends, measured with `pgbench` and a custom script against the
 //! same server in the same run, printed next to fencelock's figures as ratios.
 //!
@@ -13,9 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use fencelock::{Backend, PgMode, PostgresUrl};
-
-use super::plumbing::{rate, Out, Stop};
+use crate::engine::PgTarget;
+use crate::plumbing::{rate, Out, Stop};
 
 const ADVISORY_SCRIPT: &str = "\
 \\set k 8000000000 + :client_id
@@ -31,25 +30,25 @@ WITH old AS (SELECT expires_at > clock_timestamp() AS live FROM fencelock_leases
 
 /// Measures the reference and prints it with the ratios to fencelock's uncontended figures,
 /// which section 1 recorded in `out`.
-pub(super) async fn reference(url: &str, seconds: u64, out: &mut Out, stop: &Stop) {
+pub(crate) async fn reference(target: &PgTarget, seconds: u64, out: &mut Out, stop: &Stop) {
     out.line(String::new());
     out.line("== 4. reference: pgbench, the same statements, same server, same run ==");
-    if let Err(why) = measure(url, seconds, out, stop).await {
+    if let Err(why) = measure(target, seconds, out, stop).await {
         out.line(format!("reference: unavailable ({why})"));
     }
 }
 
-async fn measure(url: &str, seconds: u64, out: &mut Out, stop: &Stop) -> Result<(), String> {
-    let Ok(Backend::Postgres(PostgresUrl {
-        url, mode, pool, ..
-    })) = Backend::parse(url)
-    else {
-        return Err("not a PostgreSQL backend".to_owned());
-    };
+async fn measure(
+    target: &PgTarget,
+    seconds: u64,
+    out: &mut Out,
+    stop: &Stop,
+) -> Result<(), String> {
     let bin = pgbench()?;
-    let (script, protocol) = match mode {
-        PgMode::Lease => (LEASE_SCRIPT, "extended"),
-        _ => (ADVISORY_SCRIPT, "prepared"),
+    let (script, protocol) = if target.lease_table {
+        (LEASE_SCRIPT, "extended")
+    } else {
+        (ADVISORY_SCRIPT, "prepared")
     };
     let path = std::env::temp_dir().join(format!(
         "fencelock-bench-{}-{:x}.sql",
@@ -67,13 +66,13 @@ async fn measure(url: &str, seconds: u64, out: &mut Out, stop: &Stop) -> Result<
     out.text("reference.tool", &version);
     // The 64 tasks of section 1 share the client's lock sessions (the pool minus the listening
     // one): the fair comparison is pgbench with as many connections.
-    let sessions = pool.saturating_sub(1).max(1);
+    let sessions = target.pool.saturating_sub(1).max(1);
     let mut runs = Vec::new();
     for clients in [1, sessions] {
         if stop.is_set() {
             break;
         }
-        let tps = run(&bin, &url, &path, protocol, clients, seconds).await;
+        let tps = run(&bin, &target.url, &path, protocol, clients, seconds).await;
         runs.push((clients, tps));
     }
     let _ = std::fs::remove_file(&path);

@@ -1,62 +1,17 @@
-//! `fencelock bench` as a real process: on a SQLite file and against a real redis-server.
+//! `fencelock-bench` as a real process: on a SQLite file, against a real redis-server and a
+//! real PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
-mod child;
+mod common;
 
-use std::fs::File;
-use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
-use child::{Proc, BIN};
-use fencelock_testkit::{free_port, wait_until, RedisServer};
-
-/// A whole quick bench takes about 25 s against Redis; this only catches a hung one.
-const LIMIT: Duration = Duration::from_secs(180);
-
-struct Finished {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `fencelock bench ARGS` with output in files under `dir`, so a full pipe can never
-/// stall it, and waits up to [`LIMIT`].
-fn bench(dir: &Path, args: &[&str]) -> Finished {
-    let (out, err) = (dir.join("bench.out"), dir.join("bench.err"));
-    let child = Command::new(BIN)
-        .arg("bench")
-        .args(args)
-        .env_remove("FENCELOCK_URL")
-        .env_remove("FENCELOCK_LOG")
-        .stdin(Stdio::null())
-        .stdout(File::create(&out).unwrap())
-        .stderr(File::create(&err).unwrap())
-        .spawn()
-        .unwrap();
-    let mut proc = Proc(child);
-    let mut status: Option<ExitStatus> = None;
-    let done = wait_until(LIMIT, || {
-        status = proc.0.try_wait().unwrap();
-        status.is_some()
-    });
-    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
-    assert!(
-        done,
-        "bench {args:?} still running after {LIMIT:?}; stdout so far:\n{}\nstderr:\n{}",
-        read(&out),
-        read(&err)
-    );
-    Finished {
-        code: status.and_then(|s| s.code()),
-        stdout: read(&out),
-        stderr: read(&err),
-    }
-}
+use common::bench;
+use fencelock_testkit::{free_port, Finished, PgServer, RedisServer};
 
 fn assert_sections(out: &Finished) {
     assert_eq!(
-        out.code,
+        out.code(),
         Some(0),
         "stdout:\n{}\nstderr:\n{}",
         out.stdout,
@@ -105,7 +60,7 @@ fn bench_on_sqlite_prints_every_section() {
         dir.path(),
         &["--backend", &url, "--quick", "--seconds", "1", "--json"],
     );
-    assert_eq!(json.code, Some(0), "{}", json.stderr);
+    assert_eq!(json.code(), Some(0), "{}", json.stderr);
     let line = json.stdout.trim();
     assert!(
         line.starts_with('{') && line.ends_with('}') && !line.contains('\n'),
@@ -180,11 +135,11 @@ fn bench_on_redis_measures_renewals_and_leaves_nothing_behind() {
 fn bench_exit_codes_match_the_other_commands() {
     let dir = tempfile::tempdir().unwrap();
     let bad = bench(dir.path(), &["--backend", "ftp://nowhere"]);
-    assert_eq!(bad.code, Some(64), "{}", bad.stderr);
+    assert_eq!(bad.code(), Some(64), "{}", bad.stderr);
 
     let closed = format!("redis://127.0.0.1:{}", free_port());
     let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
-    assert_eq!(down.code, Some(69), "{}", down.stderr);
+    assert_eq!(down.code(), Some(69), "{}", down.stderr);
 
     let closed = format!(
         "redlock://127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}",
@@ -193,5 +148,36 @@ fn bench_exit_codes_match_the_other_commands() {
         free_port()
     );
     let down = bench(dir.path(), &["--backend", &closed, "--quick"]);
-    assert_eq!(down.code, Some(69), "{}", down.stderr);
+    assert_eq!(down.code(), Some(69), "{}", down.stderr);
+}
+
+/// On PostgreSQL the bench prints the pgbench reference of the same statements and the ratios
+/// to it.
+#[test]
+fn bench_measures_pgbench_reference_in_the_same_run() {
+    let server = PgServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench(
+        dir.path(),
+        &[
+            "--backend",
+            &server.url(),
+            "--seconds",
+            "1",
+            "--quick",
+            "--json",
+        ],
+    );
+    let json = out.stdout;
+    assert_eq!(out.status.code(), Some(0), "{json}");
+    for field in [
+        "\"engine\":\"postgres\"",
+        "\"reference.pgbench.c1.pairs_per_s\":",
+        "\"reference.pgbench.c3.pairs_per_s\":",
+        "\"uncontended.sequential.pgbench_ratio\":",
+        "\"uncontended.tasks64.pgbench_ratio\":",
+        "\"reference.tool\":\"pgbench",
+    ] {
+        assert!(json.contains(field), "{field} missing from {json}");
+    }
 }

@@ -1,4 +1,4 @@
-//! The etcd part of `fencelock bench`: etcd's own write rate, measured with the same client
+//! The etcd part of the bench: etcd's own write rate, measured with the same client
 //! crate against the same cluster in the same run, as the reference for the lock figures.
 //!
 //! The reference is plain `Put`s on keys under `/fencelock-bench/<run>/`, one client doing them
@@ -13,40 +13,34 @@ use etcd_client::{DeleteOptions, PutOptions};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::plumbing::{rate, Out, Stop};
-use super::uncontended::Uncontended;
-use super::CONCURRENT_TASKS;
+use crate::engine::EtcdTarget;
+use crate::plumbing::{rate, Out, Stop};
+use crate::uncontended::Uncontended;
+use crate::CONCURRENT_TASKS;
 
 /// The raft proposals one uncontended acquire+release costs on etcd.
 const WRITES_PER_PAIR: f64 = 4.0;
 
-pub(super) struct EtcdReference {
+pub(crate) struct EtcdReference {
     client: etcd_client::Client,
     base: String,
 }
 
 impl EtcdReference {
     /// Connects to the cluster of an `etcd://` URL.
-    pub(super) async fn open(url: &str, run: &str) -> Result<EtcdReference, String> {
-        let backend = fencelock::Backend::parse(url).map_err(|e| e.to_string())?;
-        let fencelock::Backend::Etcd(fencelock::EtcdUrl {
-            tls,
-            endpoints,
-            user,
-            password,
-            ..
-        }) = backend
-        else {
-            return Err("not an etcd backend".to_owned());
-        };
-        if tls {
+    pub(crate) async fn open(target: &EtcdTarget, run: &str) -> Result<EtcdReference, String> {
+        if target.tls {
             return Err("the reference run speaks plain etcd://, not etcds://".to_owned());
         }
-        let eps: Vec<String> = endpoints.iter().map(|e| format!("http://{e}")).collect();
+        let eps: Vec<String> = target
+            .endpoints
+            .iter()
+            .map(|e| format!("http://{e}"))
+            .collect();
         let mut opts = etcd_client::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(5));
-        if let (Some(u), Some(p)) = (user, password) {
+        if let (Some(u), Some(p)) = (&target.user, &target.password) {
             opts = opts.with_user(u, p);
         }
         let client = etcd_client::Client::connect(eps, Some(opts))
@@ -89,7 +83,7 @@ impl EtcdReference {
     }
 
     /// Measures the reference and prints it next to the lock figures, as ratios.
-    pub(super) async fn report(
+    pub(crate) async fn report(
         &self,
         out: &mut Out,
         dur: Duration,
@@ -124,7 +118,7 @@ impl EtcdReference {
     }
 
     /// Deletes the reference keys.
-    pub(super) async fn clean(&self) -> Result<String, String> {
+    pub(crate) async fn clean(&self) -> Result<String, String> {
         let mut c = self.client.clone();
         c.delete(self.base.clone(), Some(DeleteOptions::new().with_prefix()))
             .await

@@ -10,13 +10,13 @@ use std::time::Duration;
 use anyhow::anyhow;
 use tokio::time::Instant;
 
-use super::plumbing::Stop;
-use super::reference::REFERENCE_SET_KEY;
-use super::servers::{open_node, NodeConn, NODE_TIMEOUT};
-use super::{runtime, PHASE_SLACK};
+use crate::plumbing::Stop;
+use crate::reference::REFERENCE_SET_KEY;
+use crate::servers::{open_node, NodeConn, NODE_TIMEOUT};
+use crate::{runtime, PHASE_SLACK};
 
 /// Pairs per second of both kinds, measured in alternating rounds.
-pub(super) struct Floor {
+pub(crate) struct Floor {
     pub reference: f64,
     pub shaped: f64,
 }
@@ -25,7 +25,7 @@ const ROUND: u32 = 200;
 
 /// [`measure`] on a thread of its own with a single-threaded runtime, over a connection opened
 /// there, so that it stays comparable with the sequential run measured the same way.
-pub(super) async fn measure_on_own_thread(
+pub(crate) async fn measure_on_own_thread(
     url: &str,
     dur: Duration,
     stop: &Stop,
@@ -41,7 +41,7 @@ pub(super) async fn measure_on_own_thread(
             .map_err(|_| {
                 anyhow!(
                     "did not finish within {}",
-                    super::plumbing::dur(dur + PHASE_SLACK)
+                    crate::plumbing::dur(dur + PHASE_SLACK)
                 )
             })?
             .map_err(Into::into)

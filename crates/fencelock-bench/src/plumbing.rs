@@ -10,24 +10,24 @@ use anyhow::Result;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use super::{LibResult, PHASE_SLACK};
-use crate::{exit, fail, Exit};
+use crate::cli::{exit, fail, Exit};
+use crate::{LibResult, PHASE_SLACK};
 
 /// Latency samples, sorted for percentiles.
-pub(super) struct Samples(Vec<Duration>);
+pub(crate) struct Samples(Vec<Duration>);
 
 impl Samples {
-    pub(super) fn new(mut v: Vec<Duration>) -> Samples {
+    pub(crate) fn new(mut v: Vec<Duration>) -> Samples {
         v.sort_unstable();
         Samples(v)
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
     /// Nearest-rank percentile; zero without samples.
-    pub(super) fn p(&self, pct: f64) -> Duration {
+    pub(crate) fn p(&self, pct: f64) -> Duration {
         let n = self.0.len();
         if n == 0 {
             return Duration::ZERO;
@@ -39,27 +39,27 @@ impl Samples {
 
 /// The bench's resource names: one random run id, so runs never meet each other's (or
 /// anybody's) locks, and the list of every name used, for clean-up.
-pub(super) struct Names {
-    pub(super) base: String,
-    pub(super) used: Vec<String>,
+pub(crate) struct Names {
+    pub(crate) base: String,
+    pub(crate) used: Vec<String>,
 }
 
 impl Names {
-    pub(super) fn new(run: &str) -> Names {
+    pub(crate) fn new(run: &str) -> Names {
         Names {
             base: format!("fencelock-bench-{run}"),
             used: Vec::new(),
         }
     }
 
-    pub(super) fn take(&mut self, what: &str) -> String {
+    pub(crate) fn take(&mut self, what: &str) -> String {
         let name = format!("{}-{what}", self.base);
         self.used.push(name.clone());
         name
     }
 }
 
-pub(super) fn run_id() -> String {
+pub(crate) fn run_id() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
@@ -69,15 +69,15 @@ pub(super) fn run_id() -> String {
 /// Set on Ctrl-C: every phase stops early and the bench still releases what it holds. A second
 /// Ctrl-C exits at once.
 #[derive(Clone)]
-pub(super) struct Stop(Arc<watch::Sender<bool>>);
+pub(crate) struct Stop(Arc<watch::Sender<bool>>);
 
 impl Stop {
-    pub(super) fn on_interrupt() -> Stop {
+    pub(crate) fn on_interrupt() -> Stop {
         let stop = Stop(Arc::new(watch::channel(false).0));
         let s = stop.clone();
         tokio::spawn(async move {
             if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!("fencelock: interrupted; releasing what the bench holds");
+                eprintln!("fencelock-bench: interrupted; releasing what the bench holds");
                 s.set();
                 if tokio::signal::ctrl_c().await.is_ok() {
                     std::process::exit(130);
@@ -87,7 +87,7 @@ impl Stop {
         stop
     }
 
-    pub(super) fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         *self.0.borrow()
     }
 
@@ -95,21 +95,21 @@ impl Stop {
         self.0.send_replace(true);
     }
 
-    pub(super) async fn wait(&self) {
+    pub(crate) async fn wait(&self) {
         let mut rx = self.0.subscribe();
         let _ = rx.wait_for(|set| *set).await;
     }
 }
 
 /// Bounds a phase: `nominal` plus [`PHASE_SLACK`].
-pub(super) async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     nominal: Duration,
     fut: impl std::future::Future<Output = T>,
 ) -> Result<T> {
     let limit = nominal + PHASE_SLACK;
     tokio::time::timeout(limit, fut).await.map_err(|_| {
         eprintln!(
-            "fencelock: a bench phase did not finish within {}",
+            "fencelock-bench: a bench phase did not finish within {}",
             dur(limit)
         );
         Exit(exit::UNAVAILABLE).into()
@@ -118,7 +118,7 @@ pub(super) async fn bounded<T>(
 
 /// Waits for every task; the first error wins (and is reported once), but only after all have
 /// stopped, so no task is left holding a lease.
-pub(super) async fn join_all<T: 'static>(mut tasks: JoinSet<LibResult<T>>) -> Result<Vec<T>> {
+pub(crate) async fn join_all<T: 'static>(mut tasks: JoinSet<LibResult<T>>) -> Result<Vec<T>> {
     let mut out = Vec::with_capacity(tasks.len());
     let mut first_error = None;
     while let Some(joined) = tasks.join_next().await {
@@ -139,14 +139,14 @@ pub(super) async fn join_all<T: 'static>(mut tasks: JoinSet<LibResult<T>>) -> Re
 }
 
 /// Human tables on stdout as the run goes, or one JSON object at the end.
-pub(super) struct Out {
+pub(crate) struct Out {
     json: bool,
     fields: Vec<(String, String)>,
     stop: Stop,
 }
 
 impl Out {
-    pub(super) fn new(json: bool, stop: Stop) -> Out {
+    pub(crate) fn new(json: bool, stop: Stop) -> Out {
         Out {
             json,
             fields: Vec::new(),
@@ -154,7 +154,7 @@ impl Out {
         }
     }
 
-    pub(super) fn line(&mut self, s: impl AsRef<str>) {
+    pub(crate) fn line(&mut self, s: impl AsRef<str>) {
         if !self.json {
             self.write(s.as_ref());
         }
@@ -173,7 +173,7 @@ impl Out {
         }
     }
 
-    pub(super) fn num(&mut self, key: &str, v: f64) {
+    pub(crate) fn num(&mut self, key: &str, v: f64) {
         let v = if v.is_finite() {
             format!("{}", (v * 1000.0).round() / 1000.0)
         } else {
@@ -184,21 +184,21 @@ impl Out {
 
     /// The last number recorded under `key`.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(super) fn value(&self, key: &str) -> Option<f64> {
+    pub(crate) fn value(&self, key: &str) -> Option<f64> {
         let (_, v) = self.fields.iter().rev().find(|(k, _)| k == key)?;
         v.parse().ok()
     }
 
-    pub(super) fn micros(&mut self, key: &str, d: Duration) {
+    pub(crate) fn micros(&mut self, key: &str, d: Duration) {
         self.num(key, d.as_secs_f64() * 1e6);
     }
 
-    pub(super) fn text(&mut self, key: &str, v: &str) {
-        self.fields.push((key.to_owned(), crate::json::string(v)));
+    pub(crate) fn text(&mut self, key: &str, v: &str) {
+        self.fields.push((key.to_owned(), json_string(v)));
     }
 
     /// A target line next to its figure; `pass` is `None` where no verdict applies.
-    pub(super) fn target(&mut self, key: &str, what: &str, measured: &str, pass: Option<bool>) {
+    pub(crate) fn target(&mut self, key: &str, what: &str, measured: &str, pass: Option<bool>) {
         let verdict = match pass {
             Some(true) => "PASS",
             Some(false) => "MISS",
@@ -210,22 +210,42 @@ impl Out {
         }
     }
 
-    pub(super) fn finish(&self) {
+    pub(crate) fn finish(&self) {
         if !self.json {
             return;
         }
         let body = self
             .fields
             .iter()
-            .map(|(k, v)| format!("{}:{v}", crate::json::string(k)))
+            .map(|(k, v)| format!("{}:{v}", json_string(k)))
             .collect::<Vec<_>>()
             .join(",");
         self.write(&format!("{{{body}}}"));
     }
 }
 
+/// `s` as a JSON string literal. The output is one flat object of numbers and short strings,
+/// so an escaper is all it takes (the `fencelock` command line's `--json` uses the same one).
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
 /// A rate with thousands separators, no decimals.
-pub(super) fn rate(v: f64) -> String {
+pub(crate) fn rate(v: f64) -> String {
     if !v.is_finite() {
         return "-".to_owned();
     }
@@ -241,7 +261,7 @@ pub(super) fn rate(v: f64) -> String {
 }
 
 /// A small rate, with one decimal below 100.
-pub(super) fn rate2(v: f64) -> String {
+pub(crate) fn rate2(v: f64) -> String {
     if v < 100.0 {
         format!("{v:.1}")
     } else {
@@ -249,11 +269,11 @@ pub(super) fn rate2(v: f64) -> String {
     }
 }
 
-pub(super) fn ratio_text(r: Option<f64>) -> String {
+pub(crate) fn ratio_text(r: Option<f64>) -> String {
     r.map_or("-".to_owned(), |r| format!("{r:.2}"))
 }
 
-pub(super) fn dur(d: Duration) -> String {
+pub(crate) fn dur(d: Duration) -> String {
     let us = d.as_secs_f64() * 1e6;
     if us < 1000.0 {
         format!("{us:.0}µs")
@@ -287,6 +307,6 @@ mod tests {
         assert_eq!(dur(Duration::from_micros(48)), "48µs");
         assert_eq!(dur(Duration::from_micros(1234)), "1.23ms");
         assert_eq!(dur(Duration::from_secs(25)), "25s");
-        assert_eq!(crate::json::string("a\"b\n"), "\"a\\\"b\\n\"");
+        assert_eq!(json_string("a\"b\n"), "\"a\\\"b\\n\"");
     }
 }

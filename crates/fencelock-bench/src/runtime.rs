@@ -1,10 +1,10 @@
 //! Bench runs on an OS thread of their own, each with a single-threaded runtime.
 //!
-//! The CLI's runtime has two worker threads, and on a small machine every wake-up that crosses
-//! between them costs tens of microseconds. A run compared with redis-benchmark's one event
-//! loop, or meant to stand for a separate process, must not pay that toll, so it gets a
-//! current-thread runtime where its client's tasks and its own code wake each other without
-//! leaving the thread.
+//! The bench's main runtime has two worker threads, as the `fencelock` command line's does, and
+//! on a small machine every wake-up that crosses between them costs tens of microseconds. A run
+//! compared with redis-benchmark's one event loop, or meant to stand for a separate process,
+//! must not pay that toll, so it gets a current-thread runtime where its client's tasks and its
+//! own code wake each other without leaving the thread.
 
 use std::any::Any;
 use std::future::Future;
@@ -25,7 +25,7 @@ const SHUTDOWN: Duration = Duration::from_secs(2);
 /// on that runtime. The caller only awaits a channel, so its own runtime keeps running; a
 /// panic or a runtime that cannot be built comes back as an error, and the thread is joined
 /// before this returns.
-pub(super) async fn on_own_thread<F, Fut, T>(name: &str, job: F) -> Result<T>
+pub(crate) async fn on_own_thread<F, Fut, T>(name: &str, job: F) -> Result<T>
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<T>> + 'static,

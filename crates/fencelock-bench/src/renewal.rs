@@ -13,10 +13,10 @@ use fencelock::{Client, Lease, LockOptions};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::plumbing::{dur, rate, rate2, Stop};
-use super::servers::{CommandStats, Servers};
-use super::Bench;
-use crate::fail;
+use crate::cli::fail;
+use crate::plumbing::{dur, rate, rate2, Stop};
+use crate::servers::{CommandStats, Servers};
+use crate::Bench;
 
 const RENEWAL_LEASES: usize = 10_000;
 const RENEWAL_IN_FLIGHT: usize = 256;
@@ -25,7 +25,7 @@ const TARGET_RENEWAL_CALLS: f64 = 50.0;
 const TARGET_RENEWAL_TTL: Duration = Duration::from_secs(30);
 
 impl Bench<'_> {
-    pub(super) async fn renewal(&mut self, quick: bool, servers: Option<&Servers>) -> Result<()> {
+    pub(crate) async fn renewal(&mut self, quick: bool, servers: Option<&Servers>) -> Result<()> {
         let (ttl, window) = if quick {
             (Duration::from_secs(3), Duration::from_secs(6))
         } else {
@@ -41,7 +41,7 @@ impl Bench<'_> {
         let Some(servers) = servers else {
             self.out.line(format!(
                 "skipped: Redis engines only (engine {})",
-                self.engine
+                self.engine_name
             ));
             return Ok(());
         };

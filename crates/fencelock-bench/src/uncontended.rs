@@ -2,8 +2,8 @@
 //! and how far 64 tasks sharing one client push that, each next to a reference measured on the
 //! same server in the same run (redis-benchmark for Redis engines). The sequential run is cut
 //! into rounds interleaved with the reference because a small VM's round-trip time drifts
-//! faster than one run lasts; the same run on the CLI's own runtime shows what crossing worker
-//! threads costs on top.
+//! faster than one run lasts; the same run on the main runtime, two worker threads like the
+//! `fencelock` command line's, shows what crossing worker threads costs on top.
 
 use std::time::Duration;
 
@@ -12,20 +12,21 @@ use fencelock::{Client, LockOptions};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::plumbing::{bounded, dur, join_all, rate, Samples, Stop};
-use super::reference::{median, Bracket, PairRate, Reference};
-use super::servers::Servers;
-use super::{runtime, Bench, LibResult, CLIENT_NAME, CONCURRENT_TASKS};
-use crate::{connect, fail, BackendArg};
+use crate::cli::{connect, fail, BackendArg};
+use crate::engine::Engine;
+use crate::plumbing::{bounded, dur, join_all, rate, Samples, Stop};
+use crate::reference::{median, Bracket, PairRate, Reference};
+use crate::servers::Servers;
+use crate::{runtime, Bench, LibResult, CLIENT_NAME, CONCURRENT_TASKS};
 
 #[cfg(feature = "redis")]
-use super::floor;
+use crate::floor;
 
 const TARGET_SEQ_REDIS: f64 = 0.80;
 const TARGET_SEQ_REDLOCK: f64 = 0.65;
 
 impl Bench<'_> {
-    pub(super) async fn uncontended(&mut self, servers: Option<&Servers>) -> Result<()> {
+    pub(crate) async fn uncontended(&mut self, servers: Option<&Servers>) -> Result<()> {
         self.out.line(String::new());
         self.out
             .line("== 1. uncontended acquire+release (try_acquire + release, TTL 30 s) ==");
@@ -38,8 +39,8 @@ impl Bench<'_> {
         )
         .await?;
         let seq = &interleaved.run;
-        // The same run on the CLI's own runtime, where the client's tasks and this loop wake
-        // each other across two worker threads: the difference is that toll, not the lock's.
+        // The same run on the main runtime, where the client's tasks and this loop wake each
+        // other across two worker threads: the difference is that toll, not the lock's.
         let seq_mt =
             sequential(self.client, &self.names.take("seq-mt"), self.dur, self.stop).await?;
         let ref50_before = self.reference_rate(50).await;
@@ -127,7 +128,7 @@ impl Bench<'_> {
                 "sequential / same round's 1-client pair rate, per round: {}",
                 rounds.join(" ")
             ));
-            let (limit, what) = if self.engine == "redlock" {
+            let (limit, what) = if matches!(self.engine, Engine::Redis(r) if r.quorum) {
                 (TARGET_SEQ_REDLOCK, "Redlock over 3 nodes")
             } else {
                 (TARGET_SEQ_REDIS, "one node")
@@ -208,15 +209,15 @@ impl Bench<'_> {
     }
 }
 
-pub(super) struct Uncontended {
-    pub(super) ops_per_s: f64,
+pub(crate) struct Uncontended {
+    pub(crate) ops_per_s: f64,
     pair: Samples,
     acquire: Samples,
     release: Samples,
 }
 
 #[derive(Default)]
-pub(super) struct PairTimes {
+pub(crate) struct PairTimes {
     pair: Vec<Duration>,
     acquire: Vec<Duration>,
     release: Vec<Duration>,
@@ -224,7 +225,7 @@ pub(super) struct PairTimes {
 
 impl PairTimes {
     /// One try_acquire + release, timed unless `record` is off (warm-up).
-    pub(super) async fn one(
+    pub(crate) async fn one(
         &mut self,
         client: &Client,
         name: &str,
