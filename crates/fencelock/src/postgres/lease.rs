@@ -341,6 +341,7 @@ impl Engine for LeaseEngine {
         };
         let mut record = draft.clone();
         record.holder = self.read(holder_from(r, 0))?;
+        record.holder.ttl_left = None;
         record.counter = token_of(self.read(r.try_get(8))?);
         Ok(Some(record))
     }
