@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use fencelock::{Client, Election, ErrorKind, Leader, Leadership, LockOptions};
 use tokio::sync::watch;
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 
 pub async fn connect(url: &str) -> Client {
     Client::connect(url).await.unwrap()
@@ -23,6 +23,10 @@ pub async fn check_mutual_exclusion(url: &str, clients: usize, rounds: usize) {
 }
 
 /// [`check_mutual_exclusion`] with the given lock options (fair mode, say).
+///
+/// Each hold is recorded as an interval on the process's monotonic clock, from the moment the
+/// acquire returned to the moment the release was sent: every such interval lies inside the
+/// engine's own hold, so two that overlap are two holders at once, whatever the interleaving.
 pub async fn check_mutual_exclusion_with(
     url: &str,
     clients: usize,
@@ -30,24 +34,27 @@ pub async fn check_mutual_exclusion_with(
     opts: LockOptions,
 ) {
     let inside = Arc::new(AtomicUsize::new(0));
-    let grants = Arc::new(Mutex::new(Vec::new()));
+    let holds = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for _ in 0..clients {
         let c = connect(url).await;
         let inside = inside.clone();
-        let grants = grants.clone();
+        let holds = holds.clone();
         let opts = opts.clone();
         tasks.push(tokio::spawn(async move {
             for _ in 0..rounds {
                 let lease = c.acquire("shared", &opts).await.unwrap();
+                let from = Instant::now();
                 assert_eq!(
                     inside.fetch_add(1, Ordering::SeqCst),
                     0,
                     "two holders at once"
                 );
-                grants.lock().unwrap().push(lease.token().get());
+                // Stay inside long enough for another task to run, so an overlap can show.
                 tokio::task::yield_now().await;
                 inside.fetch_sub(1, Ordering::SeqCst);
+                let to = Instant::now();
+                holds.lock().unwrap().push((from, to, lease.token().get()));
                 lease.release().await.unwrap();
             }
         }));
@@ -55,12 +62,14 @@ pub async fn check_mutual_exclusion_with(
     for t in tasks {
         timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
     }
-    let grants = grants.lock().unwrap().clone();
-    assert_eq!(grants.len(), clients * rounds);
-    assert!(
-        grants.windows(2).all(|w| w[0] < w[1]),
-        "tokens not strictly increasing in grant order: {grants:?}"
-    );
+    let mut holds = holds.lock().unwrap().clone();
+    assert_eq!(holds.len(), clients * rounds);
+    holds.sort_by_key(|(from, _, _)| *from);
+    for w in holds.windows(2) {
+        let ((_, end, t0), (next, _, t1)) = (w[0], w[1]);
+        assert!(end <= next, "holds with tokens {t0} and {t1} overlap");
+        assert!(t0 < t1, "token {t1} granted after {t0}");
+    }
 }
 
 /// A holder whose lease expired can neither extend nor release its successor's lease.
