@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencelock::{Client, Election, ErrorKind, Leader, Leadership, LockOptions};
+use fencelock::{Client, Election, Leader, Leadership, LockOptions};
 use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
 
@@ -70,55 +70,6 @@ pub async fn check_mutual_exclusion_with(
         assert!(end <= next, "holds with tokens {t0} and {t1} overlap");
         assert!(t0 < t1, "token {t1} granted after {t0}");
     }
-}
-
-/// A holder whose lease expired can neither extend nor release its successor's lease.
-pub async fn check_stale_owner(url: &str) {
-    let a = connect(url).await;
-    let b = connect(url).await;
-    let short = LockOptions::default()
-        .ttl(Duration::from_millis(200))
-        .auto_renew(false);
-    let old = a.try_acquire("r", &short).await.unwrap();
-    timeout(Duration::from_secs(2), old.lost()).await.unwrap();
-    assert!(old.is_lost());
-    let successor = b
-        .acquire("r", &LockOptions::default().wait(Duration::from_secs(3)))
-        .await
-        .unwrap();
-    assert!(successor.token() > old.token());
-    assert_eq!(old.extend().await.unwrap_err().kind(), ErrorKind::LeaseLost);
-    assert_eq!(
-        old.release().await.unwrap_err().kind(),
-        ErrorKind::NotHolder
-    );
-    let h = b
-        .inspect("r")
-        .await
-        .unwrap()
-        .expect("successor still holds");
-    assert_eq!(h.owner, successor.owner());
-    assert_eq!(h.token, Some(successor.token()));
-    successor.release().await.unwrap();
-}
-
-/// Work lasting ten TTLs runs to the end under a renewing lease, which stays held.
-pub async fn check_watchdog(url: &str) {
-    let c = connect(url).await;
-    let other = connect(url).await;
-    let ttl = Duration::from_millis(300);
-    let lease = c
-        .try_acquire("r", &LockOptions::default().ttl(ttl))
-        .await
-        .unwrap();
-    let out = lease.run(tokio::time::sleep(ttl * 10)).await;
-    assert!(out.is_ok(), "lease lost while renewing: {out:?}");
-    assert!(!lease.is_lost());
-    assert_eq!(
-        other.inspect("r").await.unwrap().map(|h| h.owner),
-        Some(lease.owner().to_owned())
-    );
-    lease.release().await.unwrap();
 }
 
 /// Holds an exclusive transaction on the database file for `hold`, as a stuck writer would;

@@ -94,8 +94,11 @@ mod sqlite {
             loss_before_validity_ends: false,
             ..USUAL
         };
-        const BAD_URLS: &'static [&'static str] =
-            &["sqlite://relative/locks.db", "sqlite:relative"];
+        const BAD_URLS: &'static [&'static str] = &[
+            "sqlite://relative",
+            "sqlite://relative/locks.db",
+            "sqlite:relative",
+        ];
 
         fn start() -> Sqlite {
             Sqlite {
