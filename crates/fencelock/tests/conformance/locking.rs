@@ -22,9 +22,10 @@ pub async fn tokens_increase_across_client_restarts<H: Harness>() {
     let mut last = None;
     for round in 0..4 {
         let c = engine.client().await;
+        let ttl = H::QUIRKS.short_ttl;
         let opts = LockOptions::default()
-            .ttl(Duration::from_millis(300))
-            .wait(Duration::from_millis(300) + H::QUIRKS.expiry_lag + SLACK * 4);
+            .ttl(ttl)
+            .wait(ttl + H::QUIRKS.expiry_lag + SLACK * 4);
         let lease = c.acquire("tokens", &opts).await.unwrap();
         assert!(
             Some(lease.token()) > last,
@@ -48,7 +49,7 @@ pub async fn stale_owner_cannot_touch_a_successor<H: Harness>() {
     let engine = Engine::<H>::start().await;
     let a = engine.client().await;
     let b = engine.client().await;
-    let ttl = Duration::from_millis(300);
+    let ttl = H::QUIRKS.short_ttl;
     let short = LockOptions::default().ttl(ttl).auto_renew(false);
     let old = a.try_acquire("stale", &short).await.unwrap();
     let valid_until = old.valid_until();
@@ -90,7 +91,7 @@ pub async fn watchdog_keeps_a_lease_for_ten_ttls<H: Harness>() {
     let engine = Engine::<H>::start().await;
     let c = engine.client().await;
     let other = engine.client().await;
-    let ttl = Duration::from_millis(500);
+    let ttl = H::QUIRKS.short_ttl;
     let lease = c
         .try_acquire("renewed", &LockOptions::default().ttl(ttl))
         .await
@@ -109,7 +110,8 @@ pub async fn watchdog_keeps_a_lease_for_ten_ttls<H: Harness>() {
 pub async fn loss_is_reported_when_the_engine_goes_away<H: Harness>() {
     let mut engine = Engine::<H>::start().await;
     let c = engine.client().await;
-    let ttl = Duration::from_millis(900);
+    // Long enough for renewals to be confirmed before the engine goes away.
+    let ttl = H::QUIRKS.short_ttl * 2;
     let lease = c
         .try_acquire("doomed", &LockOptions::default().ttl(ttl))
         .await

@@ -29,7 +29,7 @@ pub async fn inspect_and_list<H: Harness>() {
     let other = worker.try_acquire("other", &long()).await.unwrap();
     let glob = worker.try_acquire("g*[x]", &long()).await.unwrap();
     let plain = worker.try_acquire("gZ[x]", &long()).await.unwrap();
-    let ttl = Duration::from_millis(300);
+    let ttl = H::QUIRKS.short_ttl;
     let lapsing = LockOptions::default().ttl(ttl).auto_renew(false);
     let lapsed = worker.try_acquire("jobs/lapsed", &lapsing).await.unwrap();
     let renewing = LockOptions::default().ttl(ttl);
