@@ -1,4 +1,6 @@
-//! The etcd engine against a real 3-member etcd cluster on loopback.
+//! What only the etcd engine does, against a real 3-member etcd cluster on loopback: FIFO
+//! waiters, interop with `etcdctl lock`, key layout, members dying, lost quorum and mutual TLS.
+//! What every engine does is in the conformance suite.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -8,9 +10,9 @@ use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{check_mutual_exclusion, check_stale_owner, check_watchdog, connect};
+use common::connect;
 
-use fencelock::{Client, ErrorKind, ForceRelease, LockOptions};
+use fencelock::{Client, ErrorKind, LockOptions};
 use fencelock_testkit::{wait_until, EtcdCluster, EtcdTls};
 use tokio::time::{timeout, Instant};
 
@@ -64,24 +66,6 @@ fn end(mut child: Child) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn mutual_exclusion_under_many_clients() {
-    let c = cluster();
-    check_mutual_exclusion(&c.url(), 12, 8).await;
-}
-
-#[tokio::test]
-async fn stale_owner_cannot_touch_successor() {
-    let c = cluster();
-    check_stale_owner(&c.url()).await;
-}
-
-#[tokio::test]
-async fn watchdog_keeps_the_session_alive() {
-    let c = cluster();
-    check_watchdog(&c.url()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiters_are_granted_in_fifo_order() {
     let c = cluster();
     let holder = connect(&c.url()).await;
@@ -118,50 +102,6 @@ async fn waiters_are_granted_in_fifo_order() {
     );
     assert!(order.windows(2).all(|w| w[0].1 < w[1].1), "{order:?}");
     assert!(order[0].1 > first_token);
-}
-
-#[tokio::test]
-async fn cancelled_and_timed_out_acquires_leave_no_keys() {
-    let c = cluster();
-    let holder = connect(&c.url()).await;
-    let waiter = connect(&c.url()).await;
-    let lease = holder
-        .try_acquire("c", &LockOptions::default())
-        .await
-        .unwrap();
-    // Dropped mid-wait.
-    let long = LockOptions::default().wait(Duration::from_secs(30));
-    assert!(
-        timeout(Duration::from_millis(500), waiter.acquire("c", &long))
-            .await
-            .is_err()
-    );
-    // Timed out.
-    let e = waiter
-        .acquire(
-            "c",
-            &LockOptions::default().wait(Duration::from_millis(300)),
-        )
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::TimedOut);
-    assert_eq!(e.holder().map(|h| h.owner.as_str()), Some(lease.owner()));
-    // Refused at once.
-    let e = waiter
-        .try_acquire("c", &LockOptions::default())
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::HeldByAnother);
-    // Dropped at every early point of the enqueue too.
-    for ms in [0, 1, 2, 3, 5, 8] {
-        let _ = timeout(Duration::from_millis(ms), waiter.acquire("c", &long)).await;
-    }
-    timeout(Duration::from_secs(10), waiter.close())
-        .await
-        .unwrap();
-    assert_eq!(waiter_keys(&c, "c").len(), 1, "{:?}", keys(&c));
-    lease.release().await.unwrap();
-    assert!(keys(&c).is_empty(), "{:?}", keys(&c));
 }
 
 #[tokio::test]
@@ -352,72 +292,6 @@ async fn lost_quorum_is_a_lost_lease_never_silently_regained() {
     assert!(next.token() > lease.token());
     assert!(lease.is_lost());
     next.release().await.unwrap();
-}
-
-#[tokio::test]
-async fn runbook_inspects_lists_and_force_releases_with_an_audit_record() {
-    let c = cluster();
-    let holder = connect(&c.url()).await;
-    let op = connect(&c.url()).await;
-    let lease = holder
-        .try_acquire(
-            "jobs/nightly",
-            &LockOptions::default().ttl(Duration::from_secs(3)),
-        )
-        .await
-        .unwrap();
-    let h = op.inspect("jobs/nightly").await.unwrap().unwrap();
-    assert_eq!(h.owner, lease.owner());
-    assert_eq!(h.token, Some(lease.token()));
-    assert_eq!(h.pid, Some(std::process::id()));
-    assert!(h.ttl_left.is_some() && h.ttl == Some(Duration::from_secs(3)));
-    let listed = op.list("jobs/").await.unwrap();
-    assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].resource, "jobs/nightly");
-
-    let req = ForceRelease::new("test").holder_is_dead(true);
-    let record = op
-        .force_release("jobs/nightly", &req)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(record.counter > lease.token());
-    assert_eq!(record.holder.owner, lease.owner());
-    // The old holder learns at its next renewal, within a TTL.
-    timeout(Duration::from_secs(3), lease.lost()).await.unwrap();
-    let next = op
-        .try_acquire("jobs/nightly", &LockOptions::default())
-        .await
-        .unwrap();
-    assert!(next.token() > record.counter);
-    let audit = op.audit(Some("jobs/nightly")).await.unwrap();
-    assert_eq!(audit.len(), 1);
-    assert_eq!(audit[0].counter, record.counter);
-    assert_eq!(audit[0].reason, "test");
-    assert!(op
-        .list("")
-        .await
-        .unwrap()
-        .iter()
-        .all(|l| l.resource == "jobs/nightly"));
-    next.release().await.unwrap();
-}
-
-#[tokio::test]
-async fn unreachable_cluster_is_a_clear_engine_error() {
-    let port = fencelock_testkit::free_port();
-    let client = Client::builder(format!("etcd://127.0.0.1:{port}"))
-        .op_timeout(Duration::from_millis(500))
-        .connect()
-        .await
-        .unwrap();
-    let started = Instant::now();
-    let e = client
-        .try_acquire("x", &LockOptions::default())
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
-    assert!(started.elapsed() < Duration::from_secs(3));
 }
 
 #[tokio::test]
