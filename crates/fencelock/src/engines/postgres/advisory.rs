@@ -14,10 +14,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
-use super::{advisory_key, duration_of_millis, insert_audit, token_of, Shared};
+use super::{advisory_key, insert_audit, Shared};
 use crate::core::engine::{AcquireRequest, Attempt, Engine, LossFeed, Renewal, Renewed};
 use crate::core::error::{Error, Result};
-use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::token::FencingToken;
 
@@ -249,14 +249,18 @@ fn holder_from(
     match owner {
         Some(owner) if recorded_backend == Some(backend) => {
             let mut h = Holder::bare(owner);
-            h.token = r.try_get::<_, Option<i64>>(at + 2)?.map(token_of);
+            h.token = r
+                .try_get::<_, Option<i64>>(at + 2)?
+                .map(FencingToken::from_stored);
             h.host = r.try_get(at + 3)?;
             h.pid = r
                 .try_get::<_, Option<i64>>(at + 4)?
                 .and_then(|p| u32::try_from(p).ok());
             h.client = r.try_get(at + 5)?;
             h.acquired_at = r.try_get::<_, Option<i64>>(at + 6)?.map(from_unix_millis);
-            h.ttl = r.try_get::<_, Option<i64>>(at + 7)?.map(duration_of_millis);
+            h.ttl = r
+                .try_get::<_, Option<i64>>(at + 7)?
+                .map(duration_from_millis);
             Ok(h)
         }
         _ => {
@@ -495,7 +499,7 @@ async fn grant(
                 &i64::from(meta.pid),
                 &meta.client,
                 &acquired_at,
-                &super::millis(req.ttl),
+                &millis_of(req.ttl),
             ],
         ),
     )
@@ -513,7 +517,7 @@ async fn grant(
         });
     }
     let counter: Option<i64> = answer.try_get(1).unwrap_or(None);
-    let token = token_of(counter.unwrap_or(0));
+    let token = FencingToken::from_stored(counter.unwrap_or(0));
     if s.ended.is_cancelled() {
         // The session ended after the server granted: the lock is gone with it.
         held.remove(&key);
@@ -779,7 +783,7 @@ impl Engine for AdvisoryEngine {
             let mut record = draft.clone();
             record.holder = holder;
             record.holder.ttl_left = None;
-            record.counter = token_of(mark);
+            record.counter = FencingToken::from_stored(mark);
             insert_audit(&tx, &row, &record, None).await?;
             // Waits up to 5 s for the backend to exit, so the lock is free on return.
             let ended: bool = tx

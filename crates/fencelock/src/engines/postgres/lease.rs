@@ -11,11 +11,12 @@ use async_trait::async_trait;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
-use super::{duration_of_millis, millis, token_of, Shared};
+use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
 use crate::core::error::Result;
-use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
 use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::token::FencingToken;
 
 /// Takes a free or expired row, or re-grants to the same owner (keeping its token); a fresh
 /// grant advances the token. Nothing is returned when another owner's lease is live.
@@ -155,7 +156,9 @@ impl LeaseEngine {
 
 fn holder_from(r: &Row, at: usize) -> std::result::Result<Holder, tokio_postgres::Error> {
     let mut h = Holder::bare(r.try_get(at)?);
-    h.token = r.try_get::<_, Option<i64>>(at + 1)?.map(token_of);
+    h.token = r
+        .try_get::<_, Option<i64>>(at + 1)?
+        .map(FencingToken::from_stored);
     h.host = r.try_get(at + 2)?;
     h.pid = r
         .try_get::<_, Option<i64>>(at + 3)?
@@ -163,9 +166,13 @@ fn holder_from(r: &Row, at: usize) -> std::result::Result<Holder, tokio_postgres
     h.client = r.try_get(at + 4)?;
     h.acquired_at = r.try_get::<_, Option<i64>>(at + 5)?.map(from_unix_millis);
     h.renewed_at = r.try_get::<_, Option<i64>>(at + 6)?.map(from_unix_millis);
-    h.ttl = r.try_get::<_, Option<i64>>(at + 7)?.map(duration_of_millis);
+    h.ttl = r
+        .try_get::<_, Option<i64>>(at + 7)?
+        .map(duration_from_millis);
     if r.len() > at + 8 {
-        h.ttl_left = r.try_get::<_, Option<i64>>(at + 8)?.map(duration_of_millis);
+        h.ttl_left = r
+            .try_get::<_, Option<i64>>(at + 8)?
+            .map(duration_from_millis);
     }
     Ok(h)
 }
@@ -194,7 +201,7 @@ impl Engine for LeaseEngine {
                 &[
                     (&key, Type::TEXT),
                     (&req.owner, Type::TEXT),
-                    (&millis(req.ttl), Type::INT8),
+                    (&millis_of(req.ttl), Type::INT8),
                     (&req.meta.host, Type::TEXT),
                     (&i64::from(req.meta.pid), Type::INT8),
                     (&req.meta.client, Type::TEXT),
@@ -203,7 +210,9 @@ impl Engine for LeaseEngine {
             )
             .await?;
         if let Some(r) = rows.first() {
-            return Ok(Attempt::Granted(token_of(self.read(r.try_get(0))?)));
+            return Ok(Attempt::Granted(FencingToken::from_stored(
+                self.read(r.try_get(0))?,
+            )));
         }
         let holder = self.inspect(&req.name).await?;
         Ok(Attempt::Held {
@@ -216,7 +225,7 @@ impl Engine for LeaseEngine {
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let keys: Vec<String> = batch.iter().map(|r| self.shared.key(&r.name)).collect();
         let owners: Vec<String> = batch.iter().map(|r| r.owner.clone()).collect();
-        let ttls: Vec<i64> = batch.iter().map(|r| millis(r.ttl)).collect();
+        let ttls: Vec<i64> = batch.iter().map(|r| millis_of(r.ttl)).collect();
         let now = unix_millis(SystemTime::now());
         let rows = self
             .query(
@@ -337,7 +346,7 @@ impl Engine for LeaseEngine {
         record.holder = self.read(holder_from(r, 0))?;
         // The log keeps what the holder recorded, not how long it had left.
         record.holder.ttl_left = None;
-        record.counter = token_of(self.read(r.try_get(8))?);
+        record.counter = FencingToken::from_stored(self.read(r.try_get(8))?);
         Ok(Some(record))
     }
 

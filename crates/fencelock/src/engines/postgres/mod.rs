@@ -58,7 +58,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
-use crate::core::holder::{from_unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, Holder};
 use crate::core::records::AuditRecord;
 use crate::core::token::FencingToken;
 use crate::core::url::redact_url;
@@ -327,14 +327,14 @@ async fn insert_audit(
             &record.holder_declared_dead,
             &record.assessment,
             &h.owner,
-            &h.token.map(token_to_i64),
+            &h.token.map(FencingToken::to_stored),
             &h.host,
             &h.pid.map(i64::from),
             &h.client,
             &ms(h.acquired_at),
             &renewed_at.or(ms(h.renewed_at)),
-            &h.ttl.map(millis),
-            &token_to_i64(record.counter),
+            &h.ttl.map(millis_of),
+            &record.counter.to_stored(),
         ],
     )
     .await
@@ -347,7 +347,9 @@ fn audit_record(
 ) -> std::result::Result<AuditRecord, tokio_postgres::Error> {
     let key: String = r.try_get(1)?;
     let mut holder = Holder::bare(r.try_get(8)?);
-    holder.token = r.try_get::<_, Option<i64>>(9)?.map(token_of);
+    holder.token = r
+        .try_get::<_, Option<i64>>(9)?
+        .map(FencingToken::from_stored);
     holder.host = r.try_get(10)?;
     holder.pid = r
         .try_get::<_, Option<i64>>(11)?
@@ -355,7 +357,7 @@ fn audit_record(
     holder.client = r.try_get(12)?;
     holder.acquired_at = r.try_get::<_, Option<i64>>(13)?.map(from_unix_millis);
     holder.renewed_at = r.try_get::<_, Option<i64>>(14)?.map(from_unix_millis);
-    holder.ttl = r.try_get::<_, Option<i64>>(15)?.map(duration_of_millis);
+    holder.ttl = r.try_get::<_, Option<i64>>(15)?.map(duration_from_millis);
     Ok(AuditRecord {
         id: r.try_get(0)?,
         resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
@@ -366,7 +368,7 @@ fn audit_record(
         holder_declared_dead: r.try_get(6)?,
         assessment: r.try_get(7)?,
         holder,
-        counter: token_of(r.try_get(16)?),
+        counter: FencingToken::from_stored(r.try_get(16)?),
     })
 }
 
@@ -379,22 +381,6 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
             "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} COMMIT;"
         ))
         .await
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn duration_of_millis(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-fn token_of(n: i64) -> FencingToken {
-    FencingToken::new(u64::try_from(n).unwrap_or(0))
-}
-
-fn token_to_i64(t: FencingToken) -> i64 {
-    i64::try_from(t.get()).unwrap_or(i64::MAX)
 }
 
 /// Keeps one session listening on the prefix's channel and wakes the waiters of the resource

@@ -29,7 +29,7 @@ use crate::core::engine::{
     AcquireRequest, Attempt, Engine, EngineConfig, Opened, Renewal, Renewed,
 };
 use crate::core::error::{Error, Result};
-use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::token::FencingToken;
 
@@ -113,23 +113,11 @@ fn current_boot_id() -> String {
         .unwrap_or_else(|_| "unknown-boot".to_owned())
 }
 
-fn ttl_millis(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn duration_of_millis(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-fn token_of(n: i64) -> FencingToken {
-    FencingToken::new(u64::try_from(n).unwrap_or(0))
-}
-
 /// Reads one row of [`AUDIT_COLUMNS`]; `prefix` is stripped from the key to give the name.
 fn audit_record(r: &rusqlite::Row<'_>, prefix: &str) -> rusqlite::Result<AuditRecord> {
     let key: String = r.get(1)?;
     let mut holder = Holder::bare(r.get(8)?);
-    holder.token = r.get::<_, Option<i64>>(9)?.map(token_of);
+    holder.token = r.get::<_, Option<i64>>(9)?.map(FencingToken::from_stored);
     holder.host = r.get(10)?;
     holder.pid = r
         .get::<_, Option<i64>>(11)?
@@ -137,7 +125,7 @@ fn audit_record(r: &rusqlite::Row<'_>, prefix: &str) -> rusqlite::Result<AuditRe
     holder.client = r.get(12)?;
     holder.acquired_at = r.get::<_, Option<i64>>(13)?.map(from_unix_millis);
     holder.renewed_at = r.get::<_, Option<i64>>(14)?.map(from_unix_millis);
-    holder.ttl = r.get::<_, Option<i64>>(15)?.map(duration_of_millis);
+    holder.ttl = r.get::<_, Option<i64>>(15)?.map(duration_from_millis);
     Ok(AuditRecord {
         id: r.get(0)?,
         resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
@@ -148,7 +136,7 @@ fn audit_record(r: &rusqlite::Row<'_>, prefix: &str) -> rusqlite::Result<AuditRe
         holder_declared_dead: r.get::<_, i64>(6)? != 0,
         assessment: r.get(7)?,
         holder,
-        counter: token_of(r.get(16)?),
+        counter: FencingToken::from_stored(r.get(16)?),
     })
 }
 
@@ -205,16 +193,16 @@ impl LockRow {
 
     fn holder(&self, now: i64) -> Holder {
         let mut h = Holder::bare(self.owner.clone().unwrap_or_default());
-        h.token = Some(FencingToken::new(u64::try_from(self.token).unwrap_or(0)));
+        h.token = Some(FencingToken::from_stored(self.token));
         h.host = self.host.clone();
         h.pid = self.pid.and_then(|p| u32::try_from(p).ok());
         h.client = self.client.clone();
         h.acquired_at = self.acquired_at.map(from_unix_millis);
         h.renewed_at = self.renewed_at.map(from_unix_millis);
-        h.ttl = self.ttl_ms.map(duration_of_millis);
+        h.ttl = self.ttl_ms.map(duration_from_millis);
         h.ttl_left = self
             .expires_at
-            .map(|e| Duration::from_millis(u64::try_from(e - now).unwrap_or(0)));
+            .map(|e| duration_from_millis(e.saturating_sub(now)));
         h
     }
 }
@@ -370,7 +358,7 @@ impl Engine for SqliteEngine {
             let now = boot_millis();
             let wall = unix_millis(SystemTime::now());
             let row = LockRow::read(&tx, &key)?;
-            let expires = now.saturating_add(ttl_millis(req.ttl));
+            let expires = now.saturating_add(millis_of(req.ttl));
             if let Some(row) = &row {
                 match row.live_owner(now, boot) {
                     Some(owner) if owner == req.owner => {
@@ -379,9 +367,7 @@ impl Engine for SqliteEngine {
                             params![key, expires, wall],
                         )?;
                         tx.commit()?;
-                        return Ok(Attempt::Granted(FencingToken::new(
-                            u64::try_from(row.token).unwrap_or(0),
-                        )));
+                        return Ok(Attempt::Granted(FencingToken::from_stored(row.token)));
                     }
                     Some(_) => {
                         let holder = row.holder(now);
@@ -410,7 +396,7 @@ impl Engine for SqliteEngine {
                     req.owner,
                     boot,
                     expires,
-                    ttl_millis(req.ttl),
+                    millis_of(req.ttl),
                     req.meta.host,
                     req.meta.pid,
                     req.meta.client,
@@ -418,7 +404,7 @@ impl Engine for SqliteEngine {
                 ],
             )?;
             tx.commit()?;
-            Ok(Attempt::Granted(FencingToken::new(u64::try_from(token).unwrap_or(0))))
+            Ok(Attempt::Granted(FencingToken::from_stored(token)))
         })
         .await
     }
@@ -439,7 +425,7 @@ impl Engine for SqliteEngine {
                      WHERE key = ?1 AND owner = ?2 AND boot_id = ?3 AND expires_at > ?7",
                 )?;
                 for (key, r) in &batch {
-                    let ttl = ttl_millis(r.ttl);
+                    let ttl = millis_of(r.ttl);
                     let n = stmt.execute(params![
                         key,
                         r.owner,
@@ -556,7 +542,7 @@ impl Engine for SqliteEngine {
             )?;
             record.holder = row.holder(now);
             record.holder.ttl_left = None;
-            record.counter = token_of(mark);
+            record.counter = FencingToken::from_stored(mark);
             let h = &record.holder;
             tx.execute(
                 &format!(
