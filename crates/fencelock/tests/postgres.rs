@@ -374,6 +374,8 @@ async fn forced_release_in_both_modes_is_audited_and_fences_the_old_holder() {
         let audit = c.audit(Some(name)).await.unwrap();
         assert_eq!(audit.len(), 1, "{url}");
         assert_eq!(audit[0].id, record.id);
+        // The log reads back the very record the release returned, field for field.
+        assert_eq!(audit[0], record, "{url}");
         if !url.contains("mode=lease") {
             // Advisory mode ends the holder's session: the loss is reported at once.
             timeout(Duration::from_secs(5), lease.lost()).await.unwrap();

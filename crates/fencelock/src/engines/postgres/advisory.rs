@@ -784,7 +784,7 @@ impl Engine for AdvisoryEngine {
             record.holder = holder;
             record.holder.ttl_left = None;
             record.counter = FencingToken::from_stored(mark);
-            insert_audit(&tx, &row, &record, None).await?;
+            insert_audit(&tx, &row, &record).await?;
             // Waits up to 5 s for the backend to exit, so the lock is free on return.
             let ended: bool = tx
                 .query_one("SELECT pg_terminate_backend($1, 5000)", &[&pid])

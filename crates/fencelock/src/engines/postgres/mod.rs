@@ -52,15 +52,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
-use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, Holder};
 use crate::core::records::AuditRecord;
-use crate::core::token::FencingToken;
+use crate::core::sql::{
+    audit_insert_sql, audit_record, audit_select_sql, audit_values, SqlRow, SqlValue,
+};
 use crate::core::url::redact_url;
 use crate::core::wake::WakeRx;
 use crate::core::wake::{keep_listening, Wakers};
@@ -114,10 +115,6 @@ CREATE TABLE IF NOT EXISTS fencelock_audit (
 );
 CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 ";
-
-/// The columns [`audit_record`] reads, in order.
-const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
-     assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
 
 /// Opens a client's connections: in advisory mode the lock and the feed of leases lost with a
 /// session; in lease-table mode the lock alone.
@@ -289,12 +286,7 @@ impl Shared {
         };
         // Unnamed statements: this also runs through transaction poolers (lease mode).
         let rows = self
-            .bounded(client.query_typed(
-                &format!(
-                    "SELECT {AUDIT_COLUMNS} FROM fencelock_audit WHERE {filter} ORDER BY id DESC"
-                ),
-                &[(&arg, Type::TEXT)],
-            ))
+            .bounded(client.query_typed(&audit_select_sql(filter), &[(&arg, Type::TEXT)]))
             .await?;
         rows.iter()
             .map(|r| audit_record(r, &self.prefix))
@@ -308,68 +300,42 @@ async fn insert_audit(
     tx: &tokio_postgres::Transaction<'_>,
     key: &str,
     record: &AuditRecord,
-    renewed_at: Option<i64>,
 ) -> std::result::Result<(), tokio_postgres::Error> {
-    let h = &record.holder;
-    let ms = |t: Option<std::time::SystemTime>| t.map(crate::core::holder::unix_millis);
-    tx.execute(
-        &format!(
-            "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
-        ),
-        &[
-            &record.id,
-            &key,
-            &crate::core::holder::unix_millis(record.at),
-            &record.user,
-            &record.host,
-            &record.reason,
-            &record.holder_declared_dead,
-            &record.assessment,
-            &h.owner,
-            &h.token.map(FencingToken::to_stored),
-            &h.host,
-            &h.pid.map(i64::from),
-            &h.client,
-            &ms(h.acquired_at),
-            &renewed_at.or(ms(h.renewed_at)),
-            &h.ttl.map(millis_of),
-            &record.counter.to_stored(),
-        ],
-    )
-    .await
-    .map(|_| ())
+    let values = audit_values(key, record);
+    let params: Vec<&(dyn ToSql + Sync)> = values.iter().map(param).collect();
+    tx.execute(&audit_insert_sql('$'), &params)
+        .await
+        .map(|_| ())
 }
 
-fn audit_record(
-    r: &tokio_postgres::Row,
-    prefix: &str,
-) -> std::result::Result<AuditRecord, tokio_postgres::Error> {
-    let key: String = r.try_get(1)?;
-    let mut holder = Holder::bare(r.try_get(8)?);
-    holder.token = r
-        .try_get::<_, Option<i64>>(9)?
-        .map(FencingToken::from_stored);
-    holder.host = r.try_get(10)?;
-    holder.pid = r
-        .try_get::<_, Option<i64>>(11)?
-        .and_then(|p| u32::try_from(p).ok());
-    holder.client = r.try_get(12)?;
-    holder.acquired_at = r.try_get::<_, Option<i64>>(13)?.map(from_unix_millis);
-    holder.renewed_at = r.try_get::<_, Option<i64>>(14)?.map(from_unix_millis);
-    holder.ttl = r.try_get::<_, Option<i64>>(15)?.map(duration_from_millis);
-    Ok(AuditRecord {
-        id: r.try_get(0)?,
-        resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
-        at: from_unix_millis(r.try_get(2)?),
-        user: r.try_get(3)?,
-        host: r.try_get(4)?,
-        reason: r.try_get(5)?,
-        holder_declared_dead: r.try_get(6)?,
-        assessment: r.try_get(7)?,
-        holder,
-        counter: FencingToken::from_stored(r.try_get(16)?),
-    })
+impl SqlRow for tokio_postgres::Row {
+    type Error = tokio_postgres::Error;
+    fn text(&self, i: usize) -> std::result::Result<String, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn maybe_text(&self, i: usize) -> std::result::Result<Option<String>, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn int(&self, i: usize) -> std::result::Result<i64, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn maybe_int(&self, i: usize) -> std::result::Result<Option<i64>, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn flag(&self, i: usize) -> std::result::Result<bool, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+}
+
+/// A value as a PostgreSQL parameter (`text`, `bigint` or `boolean`).
+fn param(v: &SqlValue) -> &(dyn ToSql + Sync) {
+    match v {
+        SqlValue::Text(s) => s,
+        SqlValue::MaybeText(s) => s,
+        SqlValue::Int(n) => n,
+        SqlValue::MaybeInt(n) => n,
+        SqlValue::Bool(b) => b,
+    }
 }
 
 /// Creates the tables once; concurrent first clients wait for each other on a transaction
