@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
-use super::{advisory_key, insert_audit, Shared};
+use super::{advisory_key, bounded, insert_audit, Shared};
 use crate::core::engine::{AcquireRequest, Attempt, Engine, LossFeed, Renewal, Renewed};
 use crate::core::error::{Error, Result};
 use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
@@ -429,24 +429,6 @@ async fn unlock_expired(
         Err(e) => tracing::debug!(error = %e, "unlocking expired advisory leases failed"),
     }
     keys
-}
-
-async fn bounded<T>(
-    kind: &'static str,
-    limit: Duration,
-    fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
-) -> Result<T> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(Error::engine_failure(kind, format!("PostgreSQL: {e}")).with_source(e)),
-        Err(_) => Err(Error::engine_failure(
-            kind,
-            format!(
-                "PostgreSQL gave no answer within {}",
-                crate::core::options::display_duration(limit)
-            ),
-        )),
-    }
 }
 
 async fn grant(

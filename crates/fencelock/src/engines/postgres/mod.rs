@@ -213,12 +213,7 @@ impl Shared {
     }
 
     fn error(&self, what: &str, e: tokio_postgres::Error) -> Error {
-        let hint = if e.is_closed() {
-            "; the connection was closed (server restarted or unreachable?)"
-        } else {
-            ""
-        };
-        Error::engine_failure(self.kind, format!("{what}{hint}: {e}")).with_source(e)
+        pg_error(self.kind, what, e)
     }
 
     /// Waits for `fut` at most one operation timeout.
@@ -226,17 +221,7 @@ impl Shared {
         &self,
         fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
     ) -> Result<T> {
-        match tokio::time::timeout(self.op_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(self.error("PostgreSQL", e)),
-            Err(_) => Err(Error::engine_failure(
-                self.kind,
-                format!(
-                    "PostgreSQL gave no answer within {}",
-                    crate::core::options::display_duration(self.op_timeout)
-                ),
-            )),
-        }
+        bounded(self.kind, self.op_timeout, fut).await
     }
 
     /// A new session whose connection runs in a task of its own; `on_end` runs when it ends.
@@ -292,6 +277,36 @@ impl Shared {
             .map(|r| audit_record(r, &self.prefix))
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| self.error("reading fencelock_audit", e))
+    }
+}
+
+/// `what` failed, as an engine error; says so when the connection closed under it.
+fn pg_error(kind: &'static str, what: &str, e: tokio_postgres::Error) -> Error {
+    let hint = if e.is_closed() {
+        "; the connection was closed (server restarted or unreachable?)"
+    } else {
+        ""
+    };
+    Error::engine_failure(kind, format!("{what}{hint}: {e}")).with_source(e)
+}
+
+/// Waits for `fut` at most `limit`, so that no statement of either mode outlives its
+/// deadline: a server that stops answering becomes an engine error, not a hang.
+async fn bounded<T>(
+    kind: &'static str,
+    limit: Duration,
+    fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(pg_error(kind, "PostgreSQL", e)),
+        Err(_) => Err(Error::engine_failure(
+            kind,
+            format!(
+                "PostgreSQL gave no answer within {}",
+                crate::core::options::display_duration(limit)
+            ),
+        )),
     }
 }
 
