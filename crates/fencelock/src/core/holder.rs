@@ -89,13 +89,81 @@ impl HolderMeta {
     }
 }
 
+// The conversions engines store times and durations with: signed 64-bit milliseconds (SQL
+// `bigint`, Redis and etcd metadata), and Redis' microsecond queue places. Each is total: a
+// time before the epoch or a negative value (never written by fencelock) reads as 0, and an
+// out-of-range value saturates instead of wrapping.
+
 /// Milliseconds since the Unix epoch, for metadata stored by engines.
 pub(crate) fn unix_millis(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH).map(millis_of).unwrap_or(0)
+}
+
+/// The time [`unix_millis`] stored.
+pub(crate) fn from_unix_millis(ms: i64) -> SystemTime {
+    UNIX_EPOCH + duration_from_millis(ms)
+}
+
+/// Microseconds since the Unix epoch.
+pub(crate) fn unix_micros(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
 
-pub(crate) fn from_unix_millis(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+/// A duration in whole milliseconds (a TTL, a window) for a signed 64-bit column or argument.
+pub(crate) fn millis_of(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The duration [`millis_of`] stored.
+pub(crate) fn duration_from_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn conversions_clamp_at_the_edges() {
+        assert_eq!(millis_of(Duration::MAX), i64::MAX);
+        assert_eq!(millis_of(Duration::from_micros(1999)), 1);
+        assert_eq!(duration_from_millis(-1), Duration::ZERO);
+        assert_eq!(duration_from_millis(i64::MIN), Duration::ZERO);
+        assert_eq!(from_unix_millis(-5), UNIX_EPOCH);
+        let before_epoch = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(unix_millis(before_epoch), 0);
+        assert_eq!(unix_micros(before_epoch), 0);
+        assert_eq!(unix_micros(UNIX_EPOCH + Duration::from_micros(17)), 17);
+    }
+
+    proptest! {
+        #[test]
+        fn millis_round_trip(ms in 0..=i64::MAX) {
+            prop_assert_eq!(millis_of(duration_from_millis(ms)), ms);
+        }
+
+        #[test]
+        fn unix_millis_round_trip(ms in 0..(1i64 << 50)) {
+            prop_assert_eq!(unix_millis(from_unix_millis(ms)), ms);
+            prop_assert_eq!(unix_micros(from_unix_millis(ms)), ms as u64 * 1000);
+        }
+
+        #[test]
+        fn millis_truncate_and_keep_the_order(a in any::<u64>(), b in any::<u64>()) {
+            let (da, db) = (Duration::from_nanos(a), Duration::from_nanos(b));
+            prop_assert_eq!(millis_of(da), (a / 1_000_000) as i64);
+            if da <= db {
+                prop_assert!(millis_of(da) <= millis_of(db));
+            }
+        }
+
+        #[test]
+        fn negative_millis_are_zero(ms in i64::MIN..0) {
+            prop_assert_eq!(duration_from_millis(ms), Duration::ZERO);
+            prop_assert_eq!(from_unix_millis(ms), UNIX_EPOCH);
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! The core: what every engine shares and no engine knows about. The client and its acquire
 //! loop, the lease and its watchdog, options and the validity arithmetic, tokens, errors,
-//! names, holder metadata, metrics, and the [`engine`] contract through which the core talks
+//! names, holder metadata, what the SQL engines store alike, metrics, and the [`engine`] contract through which the core talks
 //! to whichever engine the registry (`crate::engines`) opened.
 //!
 //! Nothing here names an engine: `scripts/check-layers` fails the build's checks if a file of
@@ -17,6 +17,7 @@ pub mod metrics;
 pub(crate) mod name;
 pub(crate) mod options;
 pub(crate) mod records;
+pub(crate) mod sql;
 pub(crate) mod token;
 pub(crate) mod url;
 pub(crate) mod wake;

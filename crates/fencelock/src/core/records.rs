@@ -76,9 +76,7 @@ impl AuditRecord {
         let text = |k: &str| field(k).filter(|v| !v.is_empty());
         let number = |k: &str| text(k).and_then(|v| v.parse::<i64>().ok());
         let mut holder = Holder::bare(text("owner")?);
-        holder.token = number("token")
-            .and_then(|t| u64::try_from(t).ok())
-            .map(FencingToken::new);
+        holder.token = number("token").and_then(FencingToken::checked_from_stored);
         holder.host = text("holder_host");
         holder.pid = number("pid").and_then(|p| u32::try_from(p).ok());
         holder.client = text("client");
@@ -97,11 +95,7 @@ impl AuditRecord {
             holder_declared_dead: text("declared_dead").as_deref() == Some("1"),
             assessment: text("assessment").unwrap_or_default(),
             holder,
-            counter: FencingToken::new(
-                number("counter")
-                    .and_then(|c| u64::try_from(c).ok())
-                    .unwrap_or(0),
-            ),
+            counter: number("counter").map_or(FencingToken::new(0), FencingToken::from_stored),
         })
     }
 }

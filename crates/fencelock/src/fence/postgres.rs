@@ -323,7 +323,7 @@ fn to_bigint(resource: &str, token: FencingToken) -> Result<i64> {
 fn from_bigint(v: i64) -> FencingToken {
     // The table's CHECK keeps tokens non-negative; a negative one written around it by hand
     // is below every real token.
-    FencingToken::new(u64::try_from(v).unwrap_or(0))
+    FencingToken::from_stored(v)
 }
 
 #[cfg(test)]

@@ -6,8 +6,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::Client;
 
-use super::{millis, pg_error, table_ident};
+use super::{pg_error, table_ident};
 use crate::core::error::{Error, ErrorKind, Result};
+use crate::core::holder::millis_of;
 
 /// Runs a side effect at most once per idempotency key, whatever the number of callers.
 ///
@@ -142,7 +143,7 @@ impl Idempotency {
                            AND i.claimed_at < clock_timestamp() - $3::bigint * interval '1 millisecond'
                          RETURNING key"
                     ),
-                    &[&key, &claim, &millis(self.takeover_after)],
+                    &[&key, &claim, &millis_of(self.takeover_after)],
                 )
                 .await
                 .map_err(|e| pg_error("claiming an idempotency key", e))?

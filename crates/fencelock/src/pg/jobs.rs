@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use super::{index_name, millis, pg_error, table_ident};
+use super::{index_name, pg_error, table_ident};
 use crate::core::error::Result;
+use crate::core::holder::millis_of;
 
 /// A job queue in one table: workers claim batches of ready jobs, complete them or fail them.
 ///
@@ -164,7 +165,7 @@ impl JobQueue {
                      WHERE j.id = c.id
                      RETURNING j.id, j.payload, j.attempts"
                 ),
-                &[&limit, &millis(self.visibility), &claim, &worker],
+                &[&limit, &millis_of(self.visibility), &claim, &worker],
             )
             .await
             .map_err(|e| pg_error("claiming jobs", e))?;
@@ -206,7 +207,7 @@ impl JobQueue {
     /// `failed` for good once it had `max_attempts` attempts. `false` when the claim is no
     /// longer this one: nothing is changed.
     pub async fn fail(&self, client: &Client, job: &Job, error: &str) -> Result<bool> {
-        let delay = millis(self.retry_after.unwrap_or(self.visibility));
+        let delay = millis_of(self.retry_after.unwrap_or(self.visibility));
         let n = client
             .execute(
                 &format!(
@@ -235,7 +236,7 @@ impl JobQueue {
                      WHERE id = $1 AND claim = $2 AND state = 'running'",
                     self.table
                 ),
-                &[&job.id, &job.claim, &millis(self.visibility)],
+                &[&job.id, &job.claim, &millis_of(self.visibility)],
             )
             .await
             .map_err(|e| pg_error("extending a job's claim", e))?;

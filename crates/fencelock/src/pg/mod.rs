@@ -26,8 +26,6 @@ pub use idempotency::{Idempotency, Outcome};
 pub use jobs::{Job, JobQueue};
 pub use optimistic::{Versioned, VersionedTable};
 
-use std::time::Duration;
-
 use crate::core::error::{Error, Result};
 
 const ENGINE: &str = "postgres";
@@ -66,10 +64,6 @@ pub(crate) fn index_name(name: &str, suffix: &str) -> String {
 
 pub(crate) fn pg_error(what: &str, e: tokio_postgres::Error) -> Error {
     Error::engine_failure(ENGINE, format!("{what}: {e}")).with_source(e)
-}
-
-pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

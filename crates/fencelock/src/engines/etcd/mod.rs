@@ -330,9 +330,7 @@ impl EtcdEngine {
     async fn holder_of(&self, kv: &KeyValue) -> Holder {
         let mut holder =
             parse_meta(kv.value()).unwrap_or_else(|| Holder::bare(lease_owner(kv.lease())));
-        holder.token = u64::try_from(kv.create_revision())
-            .ok()
-            .map(FencingToken::new);
+        holder.token = FencingToken::checked_from_stored(kv.create_revision());
         if kv.lease() != 0 {
             let lease = kv.lease();
             let ttl = self
@@ -741,7 +739,7 @@ impl Engine for EtcdEngine {
             .iter()
             .filter_map(|kv| {
                 let mut r = decode_record(kv.value())?;
-                r.counter = FencingToken::new(u64::try_from(kv.create_revision()).ok()?);
+                r.counter = FencingToken::checked_from_stored(kv.create_revision())?;
                 Some(r)
             })
             .collect();
@@ -875,7 +873,7 @@ fn session_expired() -> Error {
 fn leader_of(kv: &KeyValue) -> Leader {
     Leader {
         value: String::from_utf8_lossy(kv.value()).into_owned(),
-        token: FencingToken::new(u64::try_from(kv.create_revision()).unwrap_or(0)),
+        token: FencingToken::from_stored(kv.create_revision()),
     }
 }
 
@@ -886,10 +884,8 @@ fn first_created() -> GetOptions {
 }
 
 fn token_of(rev: i64) -> Result<FencingToken> {
-    u64::try_from(rev)
-        .ok()
-        .filter(|r| *r > 0)
-        .map(FencingToken::new)
+    FencingToken::checked_from_stored(rev)
+        .filter(|t| t.get() > 0)
         .ok_or_else(|| Error::engine_failure(KIND, format!("etcd returned revision {rev}")))
 }
 

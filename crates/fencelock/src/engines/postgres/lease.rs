@@ -11,11 +11,13 @@ use async_trait::async_trait;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
-use super::{duration_of_millis, millis, token_of, Shared};
+use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
 use crate::core::error::Result;
-use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, millis_of, unix_millis, Holder};
 use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::sql::{self, SqlRow, AUDIT_COLUMNS, HOLDER_COLUMNS};
+use crate::core::token::FencingToken;
 
 /// Takes a free or expired row, or re-grants to the same owner (keeping its token); a fresh
 /// grant advances the token. Nothing is returned when another owner's lease is live.
@@ -35,9 +37,9 @@ WHERE l.owner IS NULL OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp
     OR l.owner = EXCLUDED.owner
 RETURNING token";
 
-/// The live holder's columns as [`holder_from`] reads them.
-const HOLDER_COLUMNS: &str = "owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, \
-     GREATEST(0, extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint";
+/// The time a live lease has left (ms), read after the [`HOLDER_COLUMNS`] by [`holder_from`].
+const TTL_LEFT: &str =
+    "GREATEST(0, extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint";
 const LIVE: &str = "owner IS NOT NULL AND expires_at > clock_timestamp()";
 
 /// Renews many leases in one statement; returns the ones still held by their owner.
@@ -63,10 +65,13 @@ n AS (SELECT pg_notify($3, $4) FROM old WHERE old.live)
 SELECT old.live, (SELECT count(*) FROM u), (SELECT count(*) FROM n) FROM old";
 
 /// Deletes the live lease (of the expected owner, if given), advances the token to the mark
-/// and appends the audit record, in one statement.
-const FORCE: &str = "
+/// and appends the audit record, in one statement. The old holder's row is copied into the
+/// log as the table has it: [`HOLDER_COLUMNS`] are the audit record's holder columns.
+fn force_sql() -> String {
+    format!(
+        "
 WITH old AS (
-    SELECT owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms
+    SELECT {HOLDER_COLUMNS}
     FROM fencelock_leases
     WHERE key = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()
       AND ($2::text IS NULL OR owner = $2)
@@ -77,15 +82,14 @@ u AS (
     FROM old WHERE l.key = $1 RETURNING l.token
 ),
 a AS (
-    INSERT INTO fencelock_audit (record_id, key, at, by_user, by_host, reason, declared_dead,
-        assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter)
-    SELECT $3, $1, $4, $5, $6, $7, $8, $9, old.owner, old.token, old.host, old.pid,
-        old.client, old.acquired_at, old.renewed_at, old.ttl_ms, (SELECT token FROM u)
+    INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
+    SELECT $3, $1, $4, $5, $6, $7, $8, $9, old.*, (SELECT token FROM u)
     FROM old
     RETURNING counter
 )
-SELECT old.owner, old.token, old.host, old.pid, old.client, old.acquired_at, old.renewed_at,
-    old.ttl_ms, (SELECT counter FROM a) FROM old";
+SELECT old.*, (SELECT counter FROM a) FROM old"
+    )
+}
 
 pub(crate) struct LeaseEngine {
     shared: Shared,
@@ -153,19 +157,11 @@ impl LeaseEngine {
     }
 }
 
+/// Reads [`HOLDER_COLUMNS`] from column `at`, and [`TTL_LEFT`] after them when the row has it.
 fn holder_from(r: &Row, at: usize) -> std::result::Result<Holder, tokio_postgres::Error> {
-    let mut h = Holder::bare(r.try_get(at)?);
-    h.token = r.try_get::<_, Option<i64>>(at + 1)?.map(token_of);
-    h.host = r.try_get(at + 2)?;
-    h.pid = r
-        .try_get::<_, Option<i64>>(at + 3)?
-        .and_then(|p| u32::try_from(p).ok());
-    h.client = r.try_get(at + 4)?;
-    h.acquired_at = r.try_get::<_, Option<i64>>(at + 5)?.map(from_unix_millis);
-    h.renewed_at = r.try_get::<_, Option<i64>>(at + 6)?.map(from_unix_millis);
-    h.ttl = r.try_get::<_, Option<i64>>(at + 7)?.map(duration_of_millis);
+    let mut h = sql::holder_from(r, at)?;
     if r.len() > at + 8 {
-        h.ttl_left = r.try_get::<_, Option<i64>>(at + 8)?.map(duration_of_millis);
+        h.ttl_left = r.maybe_int(at + 8)?.map(duration_from_millis);
     }
     Ok(h)
 }
@@ -194,7 +190,7 @@ impl Engine for LeaseEngine {
                 &[
                     (&key, Type::TEXT),
                     (&req.owner, Type::TEXT),
-                    (&millis(req.ttl), Type::INT8),
+                    (&millis_of(req.ttl), Type::INT8),
                     (&req.meta.host, Type::TEXT),
                     (&i64::from(req.meta.pid), Type::INT8),
                     (&req.meta.client, Type::TEXT),
@@ -203,7 +199,9 @@ impl Engine for LeaseEngine {
             )
             .await?;
         if let Some(r) = rows.first() {
-            return Ok(Attempt::Granted(token_of(self.read(r.try_get(0))?)));
+            return Ok(Attempt::Granted(FencingToken::from_stored(
+                self.read(r.try_get(0))?,
+            )));
         }
         let holder = self.inspect(&req.name).await?;
         Ok(Attempt::Held {
@@ -216,7 +214,7 @@ impl Engine for LeaseEngine {
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let keys: Vec<String> = batch.iter().map(|r| self.shared.key(&r.name)).collect();
         let owners: Vec<String> = batch.iter().map(|r| r.owner.clone()).collect();
-        let ttls: Vec<i64> = batch.iter().map(|r| millis(r.ttl)).collect();
+        let ttls: Vec<i64> = batch.iter().map(|r| millis_of(r.ttl)).collect();
         let now = unix_millis(SystemTime::now());
         let rows = self
             .query(
@@ -274,7 +272,7 @@ impl Engine for LeaseEngine {
         let key = self.shared.key(name);
         let rows = self
             .query(
-                &format!("SELECT {HOLDER_COLUMNS} FROM fencelock_leases WHERE key = $1 AND {LIVE}"),
+                &format!("SELECT {HOLDER_COLUMNS}, {TTL_LEFT} FROM fencelock_leases WHERE key = $1 AND {LIVE}"),
                 &[(&key, Type::TEXT)],
             )
             .await?;
@@ -288,7 +286,7 @@ impl Engine for LeaseEngine {
         let rows = self
             .query(
                 &format!(
-                    "SELECT key, {HOLDER_COLUMNS} FROM fencelock_leases \
+                    "SELECT key, {HOLDER_COLUMNS}, {TTL_LEFT} FROM fencelock_leases \
                      WHERE starts_with(key, $1) AND {LIVE}"
                 ),
                 &[(&start, Type::TEXT)],
@@ -316,7 +314,7 @@ impl Engine for LeaseEngine {
         let at = unix_millis(draft.at);
         let rows = self
             .query(
-                FORCE,
+                &force_sql(),
                 &[
                     (&key, Type::TEXT),
                     (&expected, Type::TEXT),
@@ -337,7 +335,7 @@ impl Engine for LeaseEngine {
         record.holder = self.read(holder_from(r, 0))?;
         // The log keeps what the holder recorded, not how long it had left.
         record.holder.ttl_left = None;
-        record.counter = token_of(self.read(r.try_get(8))?);
+        record.counter = FencingToken::from_stored(self.read(r.try_get(8))?);
         Ok(Some(record))
     }
 

@@ -52,15 +52,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
-use crate::core::holder::{from_unix_millis, Holder};
 use crate::core::records::AuditRecord;
-use crate::core::token::FencingToken;
+use crate::core::sql::{
+    audit_insert_sql, audit_record, audit_select_sql, audit_values, SqlRow, SqlValue,
+};
 use crate::core::url::redact_url;
 use crate::core::wake::WakeRx;
 use crate::core::wake::{keep_listening, Wakers};
@@ -114,10 +115,6 @@ CREATE TABLE IF NOT EXISTS fencelock_audit (
 );
 CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 ";
-
-/// The columns [`audit_record`] reads, in order.
-const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
-     assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
 
 /// Opens a client's connections: in advisory mode the lock and the feed of leases lost with a
 /// session; in lease-table mode the lock alone.
@@ -216,12 +213,7 @@ impl Shared {
     }
 
     fn error(&self, what: &str, e: tokio_postgres::Error) -> Error {
-        let hint = if e.is_closed() {
-            "; the connection was closed (server restarted or unreachable?)"
-        } else {
-            ""
-        };
-        Error::engine_failure(self.kind, format!("{what}{hint}: {e}")).with_source(e)
+        pg_error(self.kind, what, e)
     }
 
     /// Waits for `fut` at most one operation timeout.
@@ -229,17 +221,7 @@ impl Shared {
         &self,
         fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
     ) -> Result<T> {
-        match tokio::time::timeout(self.op_timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(self.error("PostgreSQL", e)),
-            Err(_) => Err(Error::engine_failure(
-                self.kind,
-                format!(
-                    "PostgreSQL gave no answer within {}",
-                    crate::core::options::display_duration(self.op_timeout)
-                ),
-            )),
-        }
+        bounded(self.kind, self.op_timeout, fut).await
     }
 
     /// A new session whose connection runs in a task of its own; `on_end` runs when it ends.
@@ -289,12 +271,7 @@ impl Shared {
         };
         // Unnamed statements: this also runs through transaction poolers (lease mode).
         let rows = self
-            .bounded(client.query_typed(
-                &format!(
-                    "SELECT {AUDIT_COLUMNS} FROM fencelock_audit WHERE {filter} ORDER BY id DESC"
-                ),
-                &[(&arg, Type::TEXT)],
-            ))
+            .bounded(client.query_typed(&audit_select_sql(filter), &[(&arg, Type::TEXT)]))
             .await?;
         rows.iter()
             .map(|r| audit_record(r, &self.prefix))
@@ -303,71 +280,77 @@ impl Shared {
     }
 }
 
+/// `what` failed, as an engine error; says so when the connection closed under it.
+fn pg_error(kind: &'static str, what: &str, e: tokio_postgres::Error) -> Error {
+    let hint = if e.is_closed() {
+        "; the connection was closed (server restarted or unreachable?)"
+    } else {
+        ""
+    };
+    Error::engine_failure(kind, format!("{what}{hint}: {e}")).with_source(e)
+}
+
+/// Waits for `fut` at most `limit`, so that no statement of either mode outlives its
+/// deadline: a server that stops answering becomes an engine error, not a hang.
+async fn bounded<T>(
+    kind: &'static str,
+    limit: Duration,
+    fut: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(pg_error(kind, "PostgreSQL", e)),
+        Err(_) => Err(Error::engine_failure(
+            kind,
+            format!(
+                "PostgreSQL gave no answer within {}",
+                crate::core::options::display_duration(limit)
+            ),
+        )),
+    }
+}
+
 /// Appends a forced release to the audit log, inside the caller's transaction.
 async fn insert_audit(
     tx: &tokio_postgres::Transaction<'_>,
     key: &str,
     record: &AuditRecord,
-    renewed_at: Option<i64>,
 ) -> std::result::Result<(), tokio_postgres::Error> {
-    let h = &record.holder;
-    let ms = |t: Option<std::time::SystemTime>| t.map(crate::core::holder::unix_millis);
-    tx.execute(
-        &format!(
-            "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
-        ),
-        &[
-            &record.id,
-            &key,
-            &crate::core::holder::unix_millis(record.at),
-            &record.user,
-            &record.host,
-            &record.reason,
-            &record.holder_declared_dead,
-            &record.assessment,
-            &h.owner,
-            &h.token.map(token_to_i64),
-            &h.host,
-            &h.pid.map(i64::from),
-            &h.client,
-            &ms(h.acquired_at),
-            &renewed_at.or(ms(h.renewed_at)),
-            &h.ttl.map(millis),
-            &token_to_i64(record.counter),
-        ],
-    )
-    .await
-    .map(|_| ())
+    let values = audit_values(key, record);
+    let params: Vec<&(dyn ToSql + Sync)> = values.iter().map(param).collect();
+    tx.execute(&audit_insert_sql('$'), &params)
+        .await
+        .map(|_| ())
 }
 
-fn audit_record(
-    r: &tokio_postgres::Row,
-    prefix: &str,
-) -> std::result::Result<AuditRecord, tokio_postgres::Error> {
-    let key: String = r.try_get(1)?;
-    let mut holder = Holder::bare(r.try_get(8)?);
-    holder.token = r.try_get::<_, Option<i64>>(9)?.map(token_of);
-    holder.host = r.try_get(10)?;
-    holder.pid = r
-        .try_get::<_, Option<i64>>(11)?
-        .and_then(|p| u32::try_from(p).ok());
-    holder.client = r.try_get(12)?;
-    holder.acquired_at = r.try_get::<_, Option<i64>>(13)?.map(from_unix_millis);
-    holder.renewed_at = r.try_get::<_, Option<i64>>(14)?.map(from_unix_millis);
-    holder.ttl = r.try_get::<_, Option<i64>>(15)?.map(duration_of_millis);
-    Ok(AuditRecord {
-        id: r.try_get(0)?,
-        resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
-        at: from_unix_millis(r.try_get(2)?),
-        user: r.try_get(3)?,
-        host: r.try_get(4)?,
-        reason: r.try_get(5)?,
-        holder_declared_dead: r.try_get(6)?,
-        assessment: r.try_get(7)?,
-        holder,
-        counter: token_of(r.try_get(16)?),
-    })
+impl SqlRow for tokio_postgres::Row {
+    type Error = tokio_postgres::Error;
+    fn text(&self, i: usize) -> std::result::Result<String, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn maybe_text(&self, i: usize) -> std::result::Result<Option<String>, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn int(&self, i: usize) -> std::result::Result<i64, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn maybe_int(&self, i: usize) -> std::result::Result<Option<i64>, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+    fn flag(&self, i: usize) -> std::result::Result<bool, tokio_postgres::Error> {
+        self.try_get(i)
+    }
+}
+
+/// A value as a PostgreSQL parameter (`text`, `bigint` or `boolean`).
+fn param(v: &SqlValue) -> &(dyn ToSql + Sync) {
+    match v {
+        SqlValue::Text(s) => s,
+        SqlValue::MaybeText(s) => s,
+        SqlValue::Int(n) => n,
+        SqlValue::MaybeInt(n) => n,
+        SqlValue::Bool(b) => b,
+    }
 }
 
 /// Creates the tables once; concurrent first clients wait for each other on a transaction
@@ -379,22 +362,6 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
             "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} COMMIT;"
         ))
         .await
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn duration_of_millis(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-fn token_of(n: i64) -> FencingToken {
-    FencingToken::new(u64::try_from(n).unwrap_or(0))
-}
-
-fn token_to_i64(t: FencingToken) -> i64 {
-    i64::try_from(t.get()).unwrap_or(i64::MAX)
 }
 
 /// Keeps one session listening on the prefix's channel and wakes the waiters of the resource

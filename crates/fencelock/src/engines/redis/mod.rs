@@ -43,7 +43,7 @@ pub(crate) mod url;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use futures_util::future::join_all;
@@ -257,17 +257,11 @@ enum NodeAttempt {
 }
 
 fn unix_micros() -> u64 {
-    unix_micros_of(SystemTime::now())
+    crate::core::holder::unix_micros(SystemTime::now())
 }
 
-fn unix_micros_of(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
-
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+fn ms(d: Duration) -> i64 {
+    crate::core::holder::millis_of(d).max(1)
 }
 
 fn as_string(v: &Value) -> Option<String> {
@@ -346,7 +340,7 @@ impl RedisEngine {
             return 0;
         }
         // 0 is taken by "number them here".
-        unix_micros_of(since).max(1)
+        crate::core::holder::unix_micros(since).max(1)
     }
 
     /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung

@@ -29,8 +29,11 @@ use crate::core::engine::{
     AcquireRequest, Attempt, Engine, EngineConfig, Opened, Renewal, Renewed,
 };
 use crate::core::error::{Error, Result};
-use crate::core::holder::{from_unix_millis, unix_millis, Holder};
+use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
 use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::sql::{
+    audit_insert_sql, audit_record, audit_select_sql, audit_values, SqlRow, SqlValue,
+};
 use crate::core::token::FencingToken;
 
 /// Opens the SQLite file of `url`: the lock, and no other capability.
@@ -82,10 +85,6 @@ CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 const LOCK_COLUMNS: &str =
     "key, token, owner, boot_id, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at";
 
-/// The columns [`audit_record`] reads, in order.
-const AUDIT_COLUMNS: &str = "record_id, key, at, by_user, by_host, reason, declared_dead, \
-     assessment, owner, token, host, pid, client, acquired_at, renewed_at, ttl_ms, counter";
-
 pub(crate) struct SqliteEngine {
     jobs: std::sync::mpsc::Sender<Job>,
     path: Arc<PathBuf>,
@@ -113,43 +112,35 @@ fn current_boot_id() -> String {
         .unwrap_or_else(|_| "unknown-boot".to_owned())
 }
 
-fn ttl_millis(ttl: Duration) -> i64 {
-    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
+impl SqlRow for rusqlite::Row<'_> {
+    type Error = rusqlite::Error;
+    fn text(&self, i: usize) -> rusqlite::Result<String> {
+        self.get(i)
+    }
+    fn maybe_text(&self, i: usize) -> rusqlite::Result<Option<String>> {
+        self.get(i)
+    }
+    fn int(&self, i: usize) -> rusqlite::Result<i64> {
+        self.get(i)
+    }
+    fn maybe_int(&self, i: usize) -> rusqlite::Result<Option<i64>> {
+        self.get(i)
+    }
+    fn flag(&self, i: usize) -> rusqlite::Result<bool> {
+        // Stored as INTEGER 0 or 1, as rusqlite binds a bool.
+        self.get(i)
+    }
 }
 
-fn duration_of_millis(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-fn token_of(n: i64) -> FencingToken {
-    FencingToken::new(u64::try_from(n).unwrap_or(0))
-}
-
-/// Reads one row of [`AUDIT_COLUMNS`]; `prefix` is stripped from the key to give the name.
-fn audit_record(r: &rusqlite::Row<'_>, prefix: &str) -> rusqlite::Result<AuditRecord> {
-    let key: String = r.get(1)?;
-    let mut holder = Holder::bare(r.get(8)?);
-    holder.token = r.get::<_, Option<i64>>(9)?.map(token_of);
-    holder.host = r.get(10)?;
-    holder.pid = r
-        .get::<_, Option<i64>>(11)?
-        .and_then(|p| u32::try_from(p).ok());
-    holder.client = r.get(12)?;
-    holder.acquired_at = r.get::<_, Option<i64>>(13)?.map(from_unix_millis);
-    holder.renewed_at = r.get::<_, Option<i64>>(14)?.map(from_unix_millis);
-    holder.ttl = r.get::<_, Option<i64>>(15)?.map(duration_of_millis);
-    Ok(AuditRecord {
-        id: r.get(0)?,
-        resource: key.strip_prefix(prefix).unwrap_or(&key).to_owned(),
-        at: from_unix_millis(r.get(2)?),
-        user: r.get(3)?,
-        host: r.get(4)?,
-        reason: r.get(5)?,
-        holder_declared_dead: r.get::<_, i64>(6)? != 0,
-        assessment: r.get(7)?,
-        holder,
-        counter: token_of(r.get(16)?),
-    })
+/// A value as a SQLite parameter.
+fn param(v: &SqlValue) -> &dyn rusqlite::ToSql {
+    match v {
+        SqlValue::Text(s) => s,
+        SqlValue::MaybeText(s) => s,
+        SqlValue::Int(n) => n,
+        SqlValue::MaybeInt(n) => n,
+        SqlValue::Bool(b) => b,
+    }
 }
 
 fn sql_error(path: &Path, e: rusqlite::Error) -> Error {
@@ -205,16 +196,16 @@ impl LockRow {
 
     fn holder(&self, now: i64) -> Holder {
         let mut h = Holder::bare(self.owner.clone().unwrap_or_default());
-        h.token = Some(FencingToken::new(u64::try_from(self.token).unwrap_or(0)));
+        h.token = Some(FencingToken::from_stored(self.token));
         h.host = self.host.clone();
         h.pid = self.pid.and_then(|p| u32::try_from(p).ok());
         h.client = self.client.clone();
         h.acquired_at = self.acquired_at.map(from_unix_millis);
         h.renewed_at = self.renewed_at.map(from_unix_millis);
-        h.ttl = self.ttl_ms.map(duration_of_millis);
+        h.ttl = self.ttl_ms.map(duration_from_millis);
         h.ttl_left = self
             .expires_at
-            .map(|e| Duration::from_millis(u64::try_from(e - now).unwrap_or(0)));
+            .map(|e| duration_from_millis(e.saturating_sub(now)));
         h
     }
 }
@@ -370,7 +361,7 @@ impl Engine for SqliteEngine {
             let now = boot_millis();
             let wall = unix_millis(SystemTime::now());
             let row = LockRow::read(&tx, &key)?;
-            let expires = now.saturating_add(ttl_millis(req.ttl));
+            let expires = now.saturating_add(millis_of(req.ttl));
             if let Some(row) = &row {
                 match row.live_owner(now, boot) {
                     Some(owner) if owner == req.owner => {
@@ -379,9 +370,7 @@ impl Engine for SqliteEngine {
                             params![key, expires, wall],
                         )?;
                         tx.commit()?;
-                        return Ok(Attempt::Granted(FencingToken::new(
-                            u64::try_from(row.token).unwrap_or(0),
-                        )));
+                        return Ok(Attempt::Granted(FencingToken::from_stored(row.token)));
                     }
                     Some(_) => {
                         let holder = row.holder(now);
@@ -410,7 +399,7 @@ impl Engine for SqliteEngine {
                     req.owner,
                     boot,
                     expires,
-                    ttl_millis(req.ttl),
+                    millis_of(req.ttl),
                     req.meta.host,
                     req.meta.pid,
                     req.meta.client,
@@ -418,7 +407,7 @@ impl Engine for SqliteEngine {
                 ],
             )?;
             tx.commit()?;
-            Ok(Attempt::Granted(FencingToken::new(u64::try_from(token).unwrap_or(0))))
+            Ok(Attempt::Granted(FencingToken::from_stored(token)))
         })
         .await
     }
@@ -439,7 +428,7 @@ impl Engine for SqliteEngine {
                      WHERE key = ?1 AND owner = ?2 AND boot_id = ?3 AND expires_at > ?7",
                 )?;
                 for (key, r) in &batch {
-                    let ttl = ttl_millis(r.ttl);
+                    let ttl = millis_of(r.ttl);
                     let n = stmt.execute(params![
                         key,
                         r.owner,
@@ -556,32 +545,11 @@ impl Engine for SqliteEngine {
             )?;
             record.holder = row.holder(now);
             record.holder.ttl_left = None;
-            record.counter = token_of(mark);
-            let h = &record.holder;
+            record.counter = FencingToken::from_stored(mark);
+            let values = audit_values(&key, &record);
             tx.execute(
-                &format!(
-                    "INSERT INTO fencelock_audit ({AUDIT_COLUMNS})
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)"
-                ),
-                params![
-                    record.id,
-                    key,
-                    unix_millis(record.at),
-                    record.user,
-                    record.host,
-                    record.reason,
-                    record.holder_declared_dead,
-                    record.assessment,
-                    h.owner,
-                    row.token,
-                    h.host,
-                    h.pid,
-                    h.client,
-                    row.acquired_at,
-                    row.renewed_at,
-                    row.ttl_ms,
-                    mark
-                ],
+                &audit_insert_sql('?'),
+                rusqlite::params_from_iter(values.iter().map(param)),
             )?;
             tx.commit()?;
             Ok(Some(record))
@@ -597,9 +565,7 @@ impl Engine for SqliteEngine {
                 Some(k) => ("key = ?1", k.as_str()),
                 None => ("substr(key, 1, length(?1)) = ?1", prefix.as_str()),
             };
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {AUDIT_COLUMNS} FROM fencelock_audit WHERE {filter} ORDER BY id DESC"
-            ))?;
+            let mut stmt = conn.prepare_cached(&audit_select_sql(filter))?;
             let rows = stmt.query_map([arg], |r| audit_record(r, &prefix))?;
             rows.collect()
         })

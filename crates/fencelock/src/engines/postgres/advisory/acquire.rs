@@ -1,0 +1,155 @@
+//! One grant: the lock and, only when granted, the next token, in one round trip; answered
+//! locally when this process's session holds the key already.
+
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::session::{lock, Held, Op, Session};
+use super::AdvisoryEngine;
+use crate::core::engine::{AcquireRequest, Attempt};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{from_unix_millis, millis_of, unix_millis, Holder};
+use crate::core::token::FencingToken;
+use crate::engines::postgres::{advisory_key, bounded};
+
+/// Tries the lock and, only when granted, advances the durable counter: one round trip. The
+/// lock CTE is materialised, so the lock function runs exactly once.
+pub(super) const GRANT: &str = "
+WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok),
+t AS (
+    INSERT INTO fencelock_tokens AS t
+        (key, lock_key, counter, owner, backend_pid, host, pid, client, acquired_at, ttl_ms)
+    SELECT $2, $1, 1, $3, pg_backend_pid(), $4, $5, $6, $7, $8 FROM l WHERE l.ok
+    ON CONFLICT (key) DO UPDATE SET
+        counter = t.counter + 1, owner = EXCLUDED.owner, backend_pid = EXCLUDED.backend_pid,
+        host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client,
+        acquired_at = EXCLUDED.acquired_at, ttl_ms = EXCLUDED.ttl_ms
+    RETURNING counter
+)
+SELECT l.ok, (SELECT counter FROM t) FROM l";
+
+impl AdvisoryEngine {
+    /// One attempt, queued on the session of the key's slot behind its earlier statements.
+    pub(super) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
+        let key = advisory_key(&self.shared.prefix, &req.name);
+        // Subscribed before the attempt, so a release right after the refusal is not missed.
+        let wake = self.shared.subscribe(&req.name);
+        let session = self.session(self.slot_of(key)).await?;
+        let (reply, answer) = oneshot::channel();
+        session
+            .ops
+            .send(Op::Acquire {
+                key,
+                row: self.shared.key(&req.name),
+                req: req.clone(),
+                reply,
+            })
+            .map_err(|_| self.gone())?;
+        match answer.await.map_err(|_| self.gone())?? {
+            Attempt::Held { holder, .. } => Ok(Attempt::Held {
+                holder,
+                retry_in: None,
+                wake: Some(wake),
+            }),
+            granted => Ok(granted),
+        }
+    }
+}
+
+pub(super) async fn grant(
+    s: &Session,
+    key: i64,
+    row: &str,
+    req: &AcquireRequest,
+    kind: &'static str,
+    limit: Duration,
+) -> Result<Attempt> {
+    let unsure = {
+        let mut held = lock(&s.held);
+        match held.get(&key) {
+            Some(Held::Granted { owner, holder, .. }) => {
+                // The session holds it already: asking the server again would succeed
+                // (advisory locks are re-entrant), so the answer is given here.
+                return Ok(if *owner == req.owner {
+                    Attempt::Granted(holder.token.unwrap_or(FencingToken::new(0)))
+                } else {
+                    Attempt::Held {
+                        holder: Some(Holder::clone(holder)),
+                        retry_in: None,
+                        wake: None,
+                    }
+                });
+            }
+            Some(Held::Pending) => true,
+            None => {
+                held.insert(key, Held::Pending);
+                false
+            }
+        }
+    };
+    if unsure {
+        bounded(kind, limit, s.client.query(&s.unlock, &[&key])).await?;
+    }
+    let meta = &req.meta;
+    let started = Instant::now();
+    let acquired_at = unix_millis(std::time::SystemTime::now());
+    let answer = bounded(
+        kind,
+        limit,
+        s.client.query_one(
+            &s.grant,
+            &[
+                &key,
+                &row,
+                &req.owner,
+                &meta.host,
+                &i64::from(meta.pid),
+                &meta.client,
+                &acquired_at,
+                &millis_of(req.ttl),
+            ],
+        ),
+    )
+    .await?;
+    let ok: bool = answer
+        .try_get(0)
+        .map_err(|e| Error::engine_failure(kind, "unexpected grant answer").with_source(e))?;
+    let mut held = lock(&s.held);
+    if !ok {
+        held.remove(&key);
+        return Ok(Attempt::Held {
+            holder: None,
+            retry_in: None,
+            wake: None,
+        });
+    }
+    let counter: Option<i64> = answer.try_get(1).unwrap_or(None);
+    let token = FencingToken::from_stored(counter.unwrap_or(0));
+    if s.ended.is_cancelled() {
+        // The session ended after the server granted: the lock is gone with it.
+        held.remove(&key);
+        return Err(Error::engine_failure(
+            kind,
+            "the PostgreSQL session ended right after the grant",
+        ));
+    }
+    let mut holder = Holder::bare(req.owner.clone());
+    holder.token = Some(token);
+    holder.host = Some(meta.host.clone());
+    holder.pid = Some(meta.pid);
+    holder.client = Some(meta.client.clone());
+    holder.acquired_at = Some(from_unix_millis(acquired_at));
+    holder.ttl = Some(req.ttl);
+    held.insert(
+        key,
+        Held::Granted {
+            owner: req.owner.clone(),
+            name: req.name.clone(),
+            holder: Box::new(holder),
+            expires: started + req.ttl,
+        },
+    );
+    Ok(Attempt::Granted(token))
+}
