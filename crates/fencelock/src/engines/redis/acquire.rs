@@ -51,7 +51,7 @@ impl RedisEngine {
     /// same on every node, because two waiters' attempts can reach two nodes in opposite
     /// orders, and nodes whose queues disagree on the head split their votes.
     fn queue_place(&self, since: SystemTime) -> u64 {
-        if self.nodes.len() == 1 {
+        if self.one_node() {
             return 0;
         }
         // 0 is taken by "number them here".
@@ -61,7 +61,7 @@ impl RedisEngine {
     /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
     /// node costs a fraction of the validity, not all of it. One node gets the whole call.
     fn node_timeout(&self, ttl: Duration) -> Duration {
-        if self.nodes.len() == 1 {
+        if self.one_node() {
             self.op_timeout
         } else {
             (ttl / 20)

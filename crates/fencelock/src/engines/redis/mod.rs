@@ -121,11 +121,17 @@ impl RedisEngine {
         Keys::new(&self.prefix, name)
     }
 
+    /// One node, not Redlock: it numbers its own queue, uses its own clock, hands a released
+    /// lock straight to its next fair waiter, and gets a whole call's deadline.
+    fn one_node(&self) -> bool {
+        self.nodes.len() == 1
+    }
+
     /// The least counter a node may answer with a grant or a forced release: the client's
     /// clock in microseconds on Redlock, so that healthy nodes agree on one value; 0 on one
     /// node, which uses its own clock.
     fn floor(&self) -> u64 {
-        if self.nodes.len() == 1 {
+        if self.one_node() {
             0
         } else {
             values::unix_micros()

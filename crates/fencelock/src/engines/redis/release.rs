@@ -39,7 +39,7 @@ impl RedisEngine {
             .key(&keys.fence)
             .arg(owner)
             .arg(&keys.wake)
-            .arg(u8::from(self.nodes.len() == 1))
+            .arg(u8::from(self.one_node()))
             .arg(u8::from(release == Release::KeepWaiting));
         let n: i64 = node.run(inv, limit).await?;
         Ok(n == 1)
