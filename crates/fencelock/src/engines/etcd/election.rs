@@ -1,5 +1,4 @@
-//! Native elections: the queue's head is the leader, as in etcd's `election.go`, so
-//! `etcdctl elect` and fencelock campaign in one election.
+//! Native elections: the head of the waiter queue is the leader, as in etcd's `election.go`.
 
 use std::time::Duration;
 
