@@ -1,6 +1,9 @@
-//! The stuck-lock runbook on Redis and Redlock: listing held locks, forced release and the
-//! audit stream.
+//! The stuck-lock runbook on Redis and Redlock: inspecting and listing held locks, forced
+//! release and the audit stream.
 //!
+//! - **Inspection** asks every node: a lock is held when one owner holds it on a majority (a
+//!   minority grant is not a lock), and the answer is an error when too few nodes answered to
+//!   tell.
 //! - **Listing** scans the lock keys (`SCAN MATCH`, see [`keys::lock_pattern`]) on every node,
 //!   then inspects each name found as `inspect` does: on Redlock a lock is listed only when
 //!   one owner holds it on a majority. Any `N - quorum + 1` nodes include one node of every
@@ -21,9 +24,9 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use redis::Value;
 
-use super::{
-    as_i64, as_string, holder_from, keys, scripts, unix_micros, Node, NodeResult, RedisEngine,
-};
+use super::node::{Node, NodeResult};
+use super::values::{as_i64, as_string, as_u64, holder_from, pttl_of};
+use super::{keys, scripts, RedisEngine};
 use crate::core::engine::Engine;
 use crate::core::error::{Error, Result};
 use crate::core::holder::{from_unix_millis, Holder};
@@ -42,16 +45,6 @@ const LIST_BATCH: usize = 100;
 const SCAN_COUNT: usize = 500;
 
 impl Node {
-    /// Runs one command with a deadline; errors become text naming the node.
-    async fn query<T: redis::FromRedisValue>(
-        &self,
-        cmd: &redis::Cmd,
-        limit: Duration,
-    ) -> NodeResult<T> {
-        let mut conn = self.conn.clone();
-        self.bounded(cmd.query_async::<T>(&mut conn), limit).await
-    }
-
     /// The names of every lock key matching `pattern` on this node.
     async fn scan_names(
         &self,
@@ -92,33 +85,64 @@ impl RedisEngine {
         self.op_timeout * 3 / 4
     }
 
+    pub(super) async fn inspect_holder(&self, name: &str) -> Result<Option<Holder>> {
+        let keys = self.keys(name);
+        let limit = self.node_limit();
+        let answers = self
+            .ask(|n| {
+                let mut inv = scripts::INSPECT.prepare_invoke();
+                inv.key(&keys.lock).key(&keys.meta);
+                async move { n.run::<Vec<Value>>(inv, limit).await }
+            })
+            .await;
+        answers.unless_every_node_failed()?;
+        let holders = answers.map(|_, v| {
+            Ok(v.first()
+                .and_then(as_string)
+                .map(|owner| holder_from(owner, pttl_of(v.get(1)), v.get(2))))
+        });
+        // Held means held on a majority: a minority grant is not a lock.
+        let found = holders
+            .answers()
+            .flatten()
+            .find(|h| holders.quorum_says(|o| o.as_ref().is_some_and(|o| o.owner == h.owner)));
+        if found.is_none() && holders.too_few_answered() {
+            // The silent nodes may hold the majority: "free" would be a guess, and the
+            // runbook acts on this answer.
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "only {} of {} nodes answered (quorum {}), too few to tell whether \
+                     the lock is held",
+                    holders.answered(),
+                    self.nodes.len(),
+                    self.quorum
+                ),
+            ));
+        }
+        Ok(found.cloned())
+    }
+
     pub(super) async fn list_held(&self, name_prefix: &str) -> Result<Vec<HeldLock>> {
         let pattern = keys::lock_pattern(&self.prefix, name_prefix);
-        let scans = join_all(
-            self.nodes
-                .iter()
-                .map(|n| n.scan_names(&self.prefix, &pattern, self.node_limit())),
-        )
-        .await;
+        let scans = self
+            .ask(|n| n.scan_names(&self.prefix, &pattern, self.node_limit()))
+            .await;
         let needed = self.nodes.len() - self.quorum + 1;
-        let errors: Vec<String> = scans
-            .iter()
-            .filter_map(|r| r.as_ref().err().cloned())
-            .collect();
-        if self.nodes.len() - errors.len() < needed {
+        if scans.answered() < needed {
             return Err(Error::engine_failure(
                 self.kind,
                 format!(
                     "listing needs {needed} of {} nodes to answer: {}",
                     self.nodes.len(),
-                    Self::errors_text(&errors)
+                    scans.errors_text()
                 ),
             ));
         }
         let names: Vec<String> = scans
-            .into_iter()
+            .answers()
             .flatten()
-            .flatten()
+            .cloned()
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
@@ -145,14 +169,10 @@ impl RedisEngine {
     ) -> Result<Option<AuditRecord>> {
         let keys = self.keys(name);
         let audit = keys::audit_key(&self.prefix);
-        let floor = if self.nodes.len() == 1 {
-            0
-        } else {
-            unix_micros()
-        };
+        let floor = self.floor();
         let limit = self.node_limit();
         let fields = draft.operator_fields();
-        let answers = join_all(self.nodes.iter().map(|n| {
+        let answers = self.ask(|n| {
             let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
             inv.key(&keys.lock)
                 .key(&keys.meta)
@@ -168,90 +188,61 @@ impl RedisEngine {
                 inv.arg(*field).arg(value);
             }
             async move { n.run::<Vec<Value>>(inv, limit).await }
-        }))
-        .await;
-
-        let mut errors = Vec::new();
+        });
         // Per node: the counter it now holds when it released, with the old holder it saw.
-        let mut released: Vec<Option<(u64, Holder)>> = Vec::with_capacity(answers.len());
-        for (node, answer) in self.nodes.iter().zip(&answers) {
-            match answer {
-                Ok(v) if v.first().and_then(as_i64) == Some(1) => {
-                    let counter = v.get(1).and_then(as_string).and_then(|s| s.parse().ok());
-                    let owner = v.get(2).and_then(as_string);
-                    match counter.zip(owner) {
-                        Some((c, owner)) => {
-                            let mut holder =
-                                holder_from(owner, None, v.get(3).unwrap_or(&Value::Nil));
-                            // As the script wrote it into the audit record.
-                            holder.renewed_at = v.get(4).and_then(as_i64).map(from_unix_millis);
-                            released.push(Some((c, holder)));
-                        }
-                        None => {
-                            errors.push(format!(
-                                "{}: unexpected reply to the forced release",
-                                node.addr
-                            ));
-                            released.push(None);
-                        }
-                    }
-                }
-                Ok(_) => released.push(None),
-                Err(e) => {
-                    errors.push(e.clone());
-                    released.push(None);
-                }
+        let released = answers.await.map(|node, v| {
+            if v.first().and_then(as_i64) != Some(1) {
+                return Ok(None);
             }
-        }
-        let answered = self.nodes.len() - errors.len();
-        if answered < self.quorum {
+            let counter = v.get(1).and_then(as_u64);
+            let owner = v.get(2).and_then(as_string);
+            let Some((c, owner)) = counter.zip(owner) else {
+                return Err(format!(
+                    "{}: unexpected reply to the forced release",
+                    node.addr
+                ));
+            };
+            let mut holder = holder_from(owner, None, v.get(3));
+            // As the script wrote it into the audit record.
+            holder.renewed_at = v.get(4).and_then(as_i64).map(from_unix_millis);
+            Ok(Some((c, holder)))
+        });
+        if released.too_few_answered() {
             return Err(Error::engine_failure(
                 self.kind,
                 format!(
-                    "the forced release reached only {answered} of {} nodes (quorum {}), so the \
+                    "the forced release reached only {} of {} nodes (quorum {}), so the \
                      lock may still be held on a majority; run it again: {}",
+                    released.answered(),
                     self.nodes.len(),
                     self.quorum,
-                    Self::errors_text(&errors)
+                    released.errors_text()
                 ),
             ));
         }
-        let Some(mark) = released.iter().flatten().map(|(c, _)| *c).max() else {
+        let Some(mark) = released.answers().flatten().map(|(c, _)| *c).max() else {
             return Ok(None);
         };
 
-        let agree = released
-            .iter()
-            .filter(|r| matches!(r, Some((c, _)) if *c == mark))
-            .count();
-        if agree < self.quorum {
-            let raised = join_all(self.nodes.iter().zip(&released).map(|(n, r)| {
-                let fence = keys.fence.clone();
-                async move {
-                    if matches!(r, Some((c, _)) if *c == mark) {
-                        return false;
-                    }
-                    let mut inv = scripts::RAISE.prepare_invoke();
-                    inv.key(fence).arg(mark);
-                    n.run::<i64>(inv, limit).await.is_ok()
-                }
-            }))
-            .await;
-            if agree + raised.iter().filter(|r| **r).count() < self.quorum {
-                return Err(Error::engine_failure(
-                    self.kind,
-                    format!(
-                        "the lock was force-released, but the fencing counter could not be \
-                         raised to {mark} on a majority; a later grant may get a token below \
-                         the mark in the audit log"
-                    ),
-                ));
-            }
+        let at_mark = |r: &Option<(u64, Holder)>| matches!(r, Some((c, _)) if *c == mark);
+        if !released.raise_to(&keys.fence, mark, at_mark, limit).await {
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "the lock was force-released, but the fencing counter could not be \
+                     raised to {mark} on a majority; a later grant may get a token below \
+                     the mark in the audit log"
+                ),
+            ));
         }
 
         let mut record = draft.clone();
         // The holder as a releasing node had it, unless its metadata had already gone.
-        if let Some((_, seen)) = released.iter().flatten().find(|(_, h)| h.token.is_some()) {
+        if let Some((_, seen)) = released
+            .answers()
+            .flatten()
+            .find(|(_, h)| h.token.is_some())
+        {
             record.holder = seen.clone();
         }
         record.counter = FencingToken::new(mark);
@@ -262,15 +253,12 @@ impl RedisEngine {
         let key = keys::audit_key(&self.prefix);
         let mut cmd = redis::cmd("XREVRANGE");
         cmd.arg(&key).arg("+").arg("-");
-        let answers = join_all(
-            self.nodes
-                .iter()
-                .map(|n| n.query::<Value>(&cmd, self.node_limit())),
-        )
-        .await;
-        self.unless_every_node_failed(&answers)?;
+        let answers = self
+            .ask(|n| n.query::<Value>(&cmd, self.node_limit()))
+            .await;
+        answers.unless_every_node_failed()?;
         let mut by_id: HashMap<String, AuditRecord> = HashMap::new();
-        for entries in answers.iter().filter_map(|a| a.as_ref().ok()) {
+        for entries in answers.answers() {
             let Value::Array(entries) = entries else {
                 continue;
             };

@@ -1,0 +1,228 @@
+//! Acquisition: one attempt on every node, its vote, and the rollback of a split vote.
+//!
+//! - **Tokens on a quorum.** Each granting node answers `max(counter + 1, floor)`, where the
+//!   floor is the client's clock in microseconds (the server's, for one node). The lease token
+//!   `T` is the maximum over the granting nodes; unless a majority already answered `T`, the
+//!   counter is raised to `T` on a majority before the lease is handed out, so any later
+//!   majority, which intersects that one, grants above `T`. With synchronised clocks the nodes
+//!   answer the same floor and the raise is skipped: one round trip.
+//! - **Fairness.** By default woken waiters race and the fastest wins: no order, and a waiter
+//!   can in principle lose many races in a row. Fair mode ([`LockOptions::fair`]) keeps a FIFO
+//!   queue on the node: the lock is granted to the oldest waiter still asking; a waiter that
+//!   stops asking (crashed, cancelled) leaves the queue after its entry expires, or at once
+//!   when its acquisition is cancelled. On one node a release hands the lock straight to the
+//!   head of the queue and names it, with its token, in the wake-up: the handoff costs one
+//!   message instead of a message and a round trip (see the release script for the expiry
+//!   such a grant gets, and the client's acquire loop for the validity it counts). On Redlock
+//!   every node places a waiter by the start of its acquisition, so that all nodes agree on
+//!   the head, and a split vote's rollback leaves the waiter's place alone.
+//!
+//! [`LockOptions::fair`]: crate::LockOptions::fair
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use redis::Value;
+
+use super::keys::{self, Keys};
+use super::node::{Node, NodeResult};
+use super::release::Release;
+use super::values::{as_i64, as_string, as_u64, holder_from, ms, pttl_of, who};
+use super::votes::errors_text;
+use super::{scripts, RedisEngine};
+use crate::core::engine::{AcquireRequest, Attempt, FairQueue};
+use crate::core::error::{Error, Result};
+use crate::core::holder::{unix_millis, Holder};
+use crate::core::token::FencingToken;
+
+/// One node's answer to an acquisition attempt.
+enum NodeAttempt {
+    Granted(u64),
+    Held {
+        holder: Option<Holder>,
+        pttl: Option<Duration>,
+    },
+}
+
+impl RedisEngine {
+    /// Where a fair waiter goes in a node's queue: 0 lets one node number its waiters in
+    /// arrival order; Redlock nodes get the acquisition's start in microseconds instead, the
+    /// same on every node, because two waiters' attempts can reach two nodes in opposite
+    /// orders, and nodes whose queues disagree on the head split their votes.
+    fn queue_place(&self, since: SystemTime) -> u64 {
+        if self.one_node() {
+            return 0;
+        }
+        // 0 is taken by "number them here".
+        crate::core::holder::unix_micros(since).max(1)
+    }
+
+    /// Per-node deadline of an acquisition: small against the TTL, as Redlock asks, so a hung
+    /// node costs a fraction of the validity, not all of it. One node gets the whole call.
+    fn node_timeout(&self, ttl: Duration) -> Duration {
+        if self.one_node() {
+            self.op_timeout
+        } else {
+            (ttl / 20)
+                .clamp(Duration::from_millis(50), Duration::from_millis(500))
+                .min(self.op_timeout)
+        }
+    }
+
+    async fn acquire_on(
+        &self,
+        node: &Node,
+        req: &AcquireRequest,
+        fair: Option<(Duration, SystemTime)>,
+        keys: &Keys,
+        floor: u64,
+        limit: Duration,
+    ) -> NodeResult<NodeAttempt> {
+        let mut inv = scripts::ACQUIRE.prepare_invoke();
+        inv.key(&keys.lock)
+            .key(&keys.fence)
+            .key(&keys.meta)
+            .key(keys::node_key(&self.prefix))
+            .key(&keys.wait)
+            .key(&keys.queue)
+            .key(&keys.qexp)
+            .key(&keys.qseq)
+            .key(&keys.qinfo)
+            .arg(&req.owner)
+            .arg(ms(req.ttl))
+            .arg(floor)
+            .arg(format!("{:016x}", rand::random::<u64>()))
+            .arg(unix_millis(SystemTime::now()))
+            .arg(who(&req.meta))
+            .arg(fair.map_or(0, |(window, _)| ms(window)))
+            .arg(&self.channel)
+            .arg(fair.map_or(0, |(_, since)| self.queue_place(since)));
+        let reply: Vec<Value> = node.run(inv, limit).await?;
+        let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
+        let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
+        node.observe(&id, self.max_ttl);
+        match reply.first().and_then(as_i64) {
+            Some(1) => {
+                let token = reply.get(1).and_then(as_u64).ok_or_else(bad)?;
+                Ok(NodeAttempt::Granted(token))
+            }
+            Some(0) => {
+                let pttl = pttl_of(reply.get(1));
+                let holder = reply
+                    .get(3)
+                    .and_then(as_string)
+                    .map(|owner| holder_from(owner, pttl, reply.get(4)));
+                Ok(NodeAttempt::Held { holder, pttl })
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    /// One attempt on every node; `fair` is the queue entry's window and the acquisition's
+    /// start, for a waiter in fair mode.
+    pub(super) async fn attempt(
+        &self,
+        req: &AcquireRequest,
+        fair: Option<(Duration, SystemTime)>,
+    ) -> Result<Attempt> {
+        let keys = self.keys(&req.name);
+        // Subscribed before the attempt is sent: a release announced after the refusal below
+        // changes this receiver even if the waiter has not started waiting yet.
+        let wake = self.wakers.subscribe(&req.name);
+        let limit = self.node_timeout(req.ttl);
+        let floor = self.floor();
+        let answers = self
+            .ask(|n| self.acquire_on(n, req, fair, &keys, floor, limit))
+            .await
+            .only_votes();
+
+        let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
+        let votes = answers.count(granted);
+        let granted_any = answers.answers().any(granted);
+        let top = answers
+            .answers()
+            .filter_map(|a| match a {
+                NodeAttempt::Granted(t) => Some(*t),
+                NodeAttempt::Held { .. } => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let holders: Vec<(Option<Holder>, Option<Duration>)> = answers
+            .answers()
+            .filter_map(|a| match a {
+                NodeAttempt::Held { holder, pttl } => Some((holder.clone(), *pttl)),
+                NodeAttempt::Granted(_) => None,
+            })
+            .collect();
+        let mut errors = answers.errors();
+
+        if votes >= self.quorum {
+            // Raise the counter to `top` where it is lower, so a majority holds at least `top`.
+            let at_top = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(t) if *t == top);
+            if answers.raise_to(&keys.fence, top, at_top, limit).await {
+                return Ok(Attempt::Granted(FencingToken::new(top)));
+            }
+            errors.push("the fencing counter could not be raised on a majority".to_owned());
+        }
+
+        if granted_any || !errors.is_empty() {
+            // A minority grant (or an answer that never came) must not linger: release it on
+            // every node, including those that timed out.
+            self.release_everywhere(&keys, &req.owner, Release::KeepWaiting, limit)
+                .await;
+        }
+        // Nobody else holds it, or too few nodes answered for any grant to be possible:
+        // that is an engine problem, not contention.
+        if holders.is_empty() || answers.too_few_answered() {
+            return Err(Error::engine_failure(
+                self.kind,
+                format!(
+                    "only {votes} of {} nodes granted (quorum {}): {}",
+                    self.nodes.len(),
+                    self.quorum,
+                    errors_text(&errors)
+                ),
+            ));
+        }
+        // The holder most nodes name, and the shortest remaining TTL among them.
+        let mut counts: HashMap<Option<String>, usize> = HashMap::new();
+        for (h, _) in &holders {
+            *counts
+                .entry(h.as_ref().map(|h| h.owner.clone()))
+                .or_default() += 1;
+        }
+        let top_owner = counts.into_iter().max_by_key(|(_, c)| *c).map(|(o, _)| o);
+        let holder = holders
+            .iter()
+            .find(|(h, _)| {
+                top_owner
+                    .as_ref()
+                    .is_some_and(|o| h.as_ref().map(|h| &h.owner) == o.as_ref())
+            })
+            .and_then(|(h, _)| h.clone());
+        let split = granted_any || holders.len() < self.quorum;
+        let retry_in = if split {
+            None
+        } else {
+            holders.iter().filter_map(|(_, p)| *p).min()
+        };
+        Ok(Attempt::Held {
+            holder,
+            retry_in,
+            wake: Some(wake),
+        })
+    }
+}
+
+#[async_trait]
+impl FairQueue for RedisEngine {
+    async fn try_acquire_fair(
+        &self,
+        req: &AcquireRequest,
+        window: Duration,
+        since: SystemTime,
+    ) -> Result<Attempt> {
+        self.attempt(req, Some((window, since))).await
+    }
+}

@@ -1,0 +1,131 @@
+//! One Redis node: its connection, the id it keeps in memory, and whether its votes count.
+//!
+//! - **Delayed restart, done by the client.** Each node keeps a random id in memory (the
+//!   `node` key). When a node answers with a different id than before, it lost its data, and
+//!   with it possibly locks it had granted: its votes do not count for one maximum TTL of this
+//!   client. A client that first meets a node after its restart cannot tell; run Redis with
+//!   `appendfsync always` for correctness locks.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::time::Instant;
+
+use crate::core::error::{Error, Result};
+use crate::core::url::HostPort;
+
+/// One node's answer, or the text of its failure (naming the node).
+pub(super) type NodeResult<T> = std::result::Result<T, String>;
+
+#[derive(Default)]
+struct NodeSeen {
+    id: Option<String>,
+    sit_out_until: Option<Instant>,
+}
+
+pub(super) struct Node {
+    pub(super) addr: String,
+    conn: ConnectionManager,
+    seen: Mutex<NodeSeen>,
+}
+
+impl Node {
+    /// A node that connects on its first call, and the client its wake-up subscription uses.
+    pub(super) fn connect(
+        kind: &'static str,
+        node: &HostPort,
+        url: &str,
+        op_timeout: Duration,
+    ) -> Result<(Node, redis::Client)> {
+        let client = redis::Client::open(url)
+            .map_err(|e| Error::invalid(format!("node {}:{}: {e}", node.host, node.port)))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(op_timeout))
+            // Every call already has a deadline of its own (per node, per operation); a third
+            // timer per request would only cost time.
+            .set_response_timeout(None)
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(200));
+        let conn =
+            ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(|e| {
+                Error::engine_failure(kind, format!("node {}:{}", node.host, node.port))
+                    .with_source(e)
+            })?;
+        let node = Node {
+            addr: format!("{}:{}", node.host, node.port),
+            conn,
+            seen: Mutex::new(NodeSeen::default()),
+        };
+        Ok((node, client))
+    }
+
+    pub(super) async fn ping(&self, limit: Duration) -> redis::RedisResult<()> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(limit, redis::cmd("PING").query_async::<String>(&mut conn)).await
+        {
+            Ok(r) => r.map(|_| ()),
+            Err(_) => Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no answer to PING",
+            ))),
+        }
+    }
+
+    /// Runs a script with a deadline; errors become text naming the node.
+    pub(super) async fn run<T: redis::FromRedisValue>(
+        &self,
+        inv: redis::ScriptInvocation<'_>,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        self.bounded(inv.invoke_async::<T>(&mut conn), limit).await
+    }
+
+    /// Runs one command with a deadline; errors become text naming the node.
+    pub(super) async fn query<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        self.bounded(cmd.query_async::<T>(&mut conn), limit).await
+    }
+
+    /// Waits for one request to this node with a deadline; errors become text naming the node.
+    async fn bounded<T>(
+        &self,
+        request: impl std::future::Future<Output = redis::RedisResult<T>>,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        match tokio::time::timeout(limit, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
+            Err(_) => Err(format!(
+                "{}: no answer within {}",
+                self.addr,
+                crate::core::options::display_duration(limit)
+            )),
+        }
+    }
+
+    /// Records the node id a node answered with; a changed id means the node restarted without
+    /// its data, so its votes are ignored until `sit_out` has passed.
+    pub(super) fn observe(&self, id: &str, sit_out: Duration) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        match seen.id.as_deref() {
+            Some(prev) if prev != id => {
+                tracing::warn!(node = %self.addr, "node lost its data (restarted); it sits out of quorum votes for one maximum TTL");
+                seen.sit_out_until = Some(Instant::now() + sit_out);
+                seen.id = Some(id.to_owned());
+            }
+            Some(_) => {}
+            None => seen.id = Some(id.to_owned()),
+        }
+    }
+
+    pub(super) fn votes(&self) -> bool {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.sit_out_until.is_none_or(|t| Instant::now() >= t)
+    }
+}

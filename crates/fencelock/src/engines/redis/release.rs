@@ -1,0 +1,69 @@
+//! Owner-checked release on every node: of a lease, or of a split vote's minority grant.
+
+use std::time::Duration;
+
+use super::keys::Keys;
+use super::node::{Node, NodeResult};
+use super::votes::Tally;
+use super::{scripts, RedisEngine};
+use crate::core::error::Result;
+
+/// What a release means for the owner's place in the FIFO queues.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Release {
+    /// The owner is done: a lease released, or an acquisition abandoned; it leaves the queues.
+    Done,
+    /// A split vote rolled back: the owner goes on waiting and keeps its place in the queues
+    /// of the nodes that refused it. Nodes that answered one attempt in different orders
+    /// would otherwise send a waiter that won on a minority to the back of every queue, again
+    /// and again.
+    KeepWaiting,
+}
+
+impl RedisEngine {
+    async fn release_on(
+        &self,
+        node: &Node,
+        keys: &Keys,
+        owner: &str,
+        release: Release,
+        limit: Duration,
+    ) -> NodeResult<bool> {
+        let mut inv = scripts::RELEASE.prepare_invoke();
+        inv.key(&keys.lock)
+            .key(&keys.meta)
+            .key(&keys.wait)
+            .key(&keys.queue)
+            .key(&keys.qexp)
+            .key(&keys.qinfo)
+            .key(&keys.fence)
+            .arg(owner)
+            .arg(&keys.wake)
+            .arg(u8::from(self.one_node()))
+            .arg(u8::from(release == Release::KeepWaiting));
+        let n: i64 = node.run(inv, limit).await?;
+        Ok(n == 1)
+    }
+
+    /// Whether each node released `owner`'s key.
+    pub(super) async fn release_everywhere(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        release: Release,
+        limit: Duration,
+    ) -> Tally<'_, bool> {
+        self.ask(|n| self.release_on(n, keys, owner, release, limit))
+            .await
+    }
+
+    /// The release of a lease: released when a quorum released it.
+    pub(super) async fn release_lease(&self, name: &str, owner: &str) -> Result<bool> {
+        let keys = self.keys(name);
+        let answers = self
+            .release_everywhere(&keys, owner, Release::Done, self.op_timeout)
+            .await;
+        answers.unless_every_node_failed()?;
+        Ok(answers.quorum_says(|released| *released))
+    }
+}

@@ -1,0 +1,134 @@
+//! What goes to the scripts and comes back: times and TTLs as numbers, reply values, and the
+//! holder metadata the scripts store.
+
+use std::time::{Duration, SystemTime};
+
+use redis::Value;
+
+use crate::core::holder::{from_unix_millis, Holder, HolderMeta};
+use crate::core::token::FencingToken;
+
+pub(super) fn unix_micros() -> u64 {
+    crate::core::holder::unix_micros(SystemTime::now())
+}
+
+/// A TTL or window as the scripts take it: whole milliseconds, at least one.
+pub(super) fn ms(d: Duration) -> i64 {
+    crate::core::holder::millis_of(d).max(1)
+}
+
+pub(super) fn as_string(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        Value::Okay => Some("OK".to_owned()),
+        _ => None,
+    }
+}
+
+pub(super) fn as_i64(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        other => as_string(other)?.parse().ok(),
+    }
+}
+
+/// A number a script answers as text: a counter or a token.
+pub(super) fn as_u64(v: &Value) -> Option<u64> {
+    as_string(v)?.parse().ok()
+}
+
+pub(super) fn pttl_of(v: Option<&Value>) -> Option<Duration> {
+    v.and_then(as_i64)
+        .and_then(|p| u64::try_from(p).ok())
+        .map(Duration::from_millis)
+}
+
+/// The `who` part of the holder metadata: `pid\nhost\nclient`. The client name comes last so it
+/// may hold any byte; a newline in the host (no real host name has one) would shift the fields,
+/// so it is replaced.
+pub(super) fn who(meta: &HolderMeta) -> String {
+    format!(
+        "{}\n{}\n{}",
+        meta.pid,
+        meta.host.replace('\n', " "),
+        meta.client
+    )
+}
+
+/// Builds a holder from the current lock value, its PTTL and the metadata string
+/// (`token\nowner\nttl\nacquired_at\npid\nhost\nclient`, see the scripts), if the reply has one.
+pub(super) fn holder_from(owner: String, pttl: Option<Duration>, meta: Option<&Value>) -> Holder {
+    let mut h = Holder::bare(owner);
+    h.ttl_left = pttl;
+    let Some(text) = meta.and_then(as_string) else {
+        return h;
+    };
+    let f: Vec<&str> = text.splitn(7, '\n').collect();
+    // Metadata written by another owner (a stale value) must not be attributed to this one.
+    if f.len() != 7 || f[1] != h.owner {
+        return h;
+    }
+    h.token = f[0].parse().ok().map(FencingToken::new);
+    h.ttl = f[2].parse().ok().map(Duration::from_millis);
+    h.acquired_at = f[3].parse().ok().map(from_unix_millis);
+    h.pid = f[4].parse().ok();
+    h.host = Some(f[5].to_owned());
+    h.client = Some(f[6].to_owned());
+    // Every renewal restores the full TTL, so the last one was `ttl - left` ago.
+    h.renewed_at = match (h.ttl, pttl) {
+        (Some(ttl), Some(left)) => SystemTime::now().checked_sub(ttl.saturating_sub(left)),
+        _ => None,
+    };
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holder_metadata_round_trips_and_is_never_misattributed() {
+        let meta = HolderMeta {
+            host: "box\n1".to_owned(),
+            pid: 42,
+            client: "billing\nnightly".to_owned(),
+        };
+        let text = format!("17\nabc\n30000\n1700000000000\n{}", who(&meta));
+        let h = holder_from(
+            "abc".to_owned(),
+            Some(Duration::from_secs(20)),
+            Some(&Value::BulkString(text.clone().into_bytes())),
+        );
+        assert_eq!(h.token, Some(FencingToken::new(17)));
+        assert_eq!(h.ttl, Some(Duration::from_secs(30)));
+        assert_eq!(h.acquired_at, Some(from_unix_millis(1_700_000_000_000)));
+        assert_eq!(h.pid, Some(42));
+        assert_eq!(h.host.as_deref(), Some("box 1"));
+        assert_eq!(h.client.as_deref(), Some("billing\nnightly"));
+        // Renewed 10 s ago: 30 s of TTL, 20 s left.
+        let ago = SystemTime::now()
+            .duration_since(h.renewed_at.unwrap())
+            .unwrap();
+        assert!(
+            ago >= Duration::from_secs(10) && ago < Duration::from_secs(11),
+            "{ago:?}"
+        );
+        // A value left by another owner, or a malformed one, gives a bare holder.
+        for other in [text.as_str(), "17\nabc\n30000"] {
+            let h = holder_from(
+                "xyz".to_owned(),
+                None,
+                Some(&Value::BulkString(other.into())),
+            );
+            assert_eq!((h.token, h.host, h.renewed_at), (None, None, None));
+        }
+        let h = holder_from(
+            "abc".to_owned(),
+            None,
+            Some(&Value::BulkString("17\nabc".into())),
+        );
+        assert_eq!(h.token, None);
+    }
+}
