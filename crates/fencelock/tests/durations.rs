@@ -54,7 +54,7 @@ proptest! {
             match tokio::time::timeout(Duration::from_secs(30), client.acquire("d", &opts)).await {
                 Ok(Ok(lease)) => lease.release().await.unwrap(),
                 Ok(Err(e)) => assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}"),
-                Err(_) => panic!("acquire hung with ttl {ttl:?}, wait {wait:?}"),
+                Err(_) => unreachable!("acquire hung with ttl {ttl:?}, wait {wait:?}"),
             }
             client.close().await;
         });
