@@ -156,12 +156,14 @@ impl Client {
         let fair = match &inner.fair {
             Some(queue) if opts.fair_value() => Some((
                 queue,
-                max_backoff * 4 + inner.cfg.op_timeout,
+                max_backoff
+                    .saturating_mul(4)
+                    .saturating_add(inner.cfg.op_timeout),
                 SystemTime::now(),
             )),
             _ => None,
         };
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         let call_timeout = inner.cfg.op_timeout.min(ttl);
         let mut backoff = min_backoff;
         loop {
@@ -237,7 +239,7 @@ impl Client {
             if let Some(hint) = hint {
                 pause = pause.min(hint.max(Duration::from_millis(1)));
             }
-            backoff = (backoff * 2).min(max_backoff);
+            backoff = backoff.saturating_mul(2).min(max_backoff);
             match wake {
                 // A release announcement ends the pause early; the retry then races the
                 // other woken waiters (or, in fair mode, only the head of the queue can win).
@@ -284,14 +286,14 @@ impl Client {
             return Err(Error::invalid("this engine keeps no waiter queue"));
         };
         let (name, ttl, engine) = (req.name.as_str(), req.ttl, inner.engine.kind());
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         let (mut backoff, max_backoff) = opts.backoff_bounds();
         let (token, since) = loop {
             pending.armed = true;
             let left = deadline.saturating_duration_since(Instant::now());
             // The engine bounds each of its own calls; this bounds the whole wait plus the
             // calls around it (enqueue, confirm).
-            let limit = left + inner.cfg.op_timeout * 3;
+            let limit = left.saturating_add(inner.cfg.op_timeout.saturating_mul(3));
             let outcome = inner
                 .calls
                 .call(name, limit, queue.acquire_queued(req, left, campaign))
@@ -313,7 +315,7 @@ impl Client {
                     tracing::debug!(error = %e, "queued acquisition failed; retrying");
                     let left = deadline.saturating_duration_since(Instant::now());
                     tokio::time::sleep(jitter(backoff).min(left)).await;
-                    backoff = (backoff * 2).min(max_backoff);
+                    backoff = backoff.saturating_mul(2).min(max_backoff);
                 }
                 Err(e) => {
                     pending.release_now().await;
@@ -354,6 +356,14 @@ impl ClientInner {
             .register(state.clone(), opts.auto_renew_value());
         Lease::new(state, self.clone())
     }
+}
+
+/// The end of a wait of `wait` from now. A wait too long for the clock to represent (years
+/// on end) waits as good as forever instead of overflowing.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// A pause of between half of `backoff` and all of it, so that waiters woken together do not

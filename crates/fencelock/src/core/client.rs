@@ -18,6 +18,7 @@ use crate::core::holder::{Holder, HolderMeta};
 use crate::core::lease::LeaseState;
 use crate::core::metrics::Loss;
 use crate::core::name::validate_name;
+use crate::core::options::{display_duration, OP_TIMEOUT_CEILING, TTL_CEILING};
 use crate::core::url::redact_url;
 use crate::core::watchdog::Watchdog;
 
@@ -66,13 +67,13 @@ impl ClientBuilder {
         self
     }
 
-    /// The longest TTL this client accepts. Default one day.
+    /// The longest TTL this client accepts. Default one day; at most a year.
     pub fn max_ttl(mut self, max: Duration) -> ClientBuilder {
         self.max_ttl = max;
         self
     }
 
-    /// The deadline of every single engine call. Default 5 s.
+    /// The deadline of every single engine call. Default 5 s; at most an hour.
     pub fn op_timeout(mut self, timeout: Duration) -> ClientBuilder {
         self.op_timeout = timeout;
         self
@@ -90,8 +91,18 @@ impl ClientBuilder {
                 "the key prefix must be at most 64 bytes without control characters",
             ));
         }
-        if self.op_timeout.is_zero() {
-            return Err(Error::invalid("the operation timeout must be positive"));
+        if self.op_timeout.is_zero() || self.op_timeout > OP_TIMEOUT_CEILING {
+            return Err(Error::invalid(format!(
+                "the operation timeout must be positive and at most {}",
+                display_duration(OP_TIMEOUT_CEILING)
+            )));
+        }
+        if self.max_ttl > TTL_CEILING {
+            return Err(Error::invalid(format!(
+                "a TTL cap of {} is beyond the {} any lease may have",
+                display_duration(self.max_ttl),
+                display_duration(TTL_CEILING)
+            )));
         }
         Ok(EngineConfig {
             prefix: self.prefix.clone(),

@@ -9,6 +9,17 @@ use crate::core::error::{Error, Result};
 /// would be declared lost while nothing is wrong.
 pub const MIN_TTL: Duration = Duration::from_millis(100);
 
+/// The longest pause between two attempts [`LockOptions::backoff`] accepts.
+const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+
+/// The longest TTL a client can be allowed ([`ClientBuilder::max_ttl`](crate::ClientBuilder::max_ttl)):
+/// a year, far beyond any useful lease, and far below what the clock arithmetic can hold.
+pub(crate) const TTL_CEILING: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The longest deadline of one engine call
+/// ([`ClientBuilder::op_timeout`](crate::ClientBuilder::op_timeout)).
+pub(crate) const OP_TIMEOUT_CEILING: Duration = Duration::from_secs(3600);
+
 /// Options for one acquisition. Start from [`LockOptions::default`] and change what you need:
 ///
 /// ```
@@ -121,6 +132,14 @@ impl LockOptions {
         }
         if self.retry_min.is_zero() || self.retry_min > self.retry_max {
             return Err(Error::invalid("backoff bounds must satisfy 0 < min <= max"));
+        }
+        if self.retry_max > MAX_BACKOFF {
+            return Err(Error::invalid(format!(
+                "a backoff of {} between attempts is longer than the {} allowed; a waiter \
+                 that sleeps that long misses every release",
+                display_duration(self.retry_max),
+                display_duration(MAX_BACKOFF)
+            )));
         }
         Ok(())
     }
