@@ -339,3 +339,38 @@ async fn mutual_tls_needs_the_ca_and_a_client_certificate() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
 }
+
+/// A grant that arrives with too little of its TTL left is released and tried again while the
+/// wait lasts, as on every other engine; it used to end the whole acquisition with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_slower_than_its_ttl_is_retried_while_the_wait_lasts() {
+    let c = EtcdCluster::start(1).unwrap();
+    let client = Client::connect(&c.url()).await.unwrap();
+    // A first call opens the connection, so the frozen member below delays a grant, not a
+    // connect.
+    client
+        .try_acquire("warm", &LockOptions::default())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let opts = LockOptions::default()
+        .ttl(Duration::from_millis(200))
+        .wait(Duration::from_secs(20));
+    c.pause(0).unwrap();
+    let acquiring = tokio::spawn({
+        let client = client.clone();
+        async move { client.acquire("slow", &opts).await }
+    });
+    // The member stays frozen for twice the TTL: whatever it grants first is already useless.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    c.resume(0).unwrap();
+    let lease = timeout(Duration::from_secs(25), acquiring)
+        .await
+        .expect("the acquisition hung")
+        .unwrap()
+        .expect("a slow grant ended the acquisition instead of being retried");
+    lease.release().await.unwrap();
+    client.close().await;
+}

@@ -288,7 +288,7 @@ impl Client {
         let (name, ttl, engine) = (req.name.as_str(), req.ttl, inner.engine.kind());
         let deadline = deadline_after(wait);
         let (mut backoff, max_backoff) = opts.backoff_bounds();
-        let (token, since) = loop {
+        loop {
             pending.armed = true;
             let left = deadline.saturating_duration_since(Instant::now());
             // The engine bounds each of its own calls; this bounds the whole wait plus the
@@ -298,8 +298,15 @@ impl Client {
                 .calls
                 .call(name, limit, queue.acquire_queued(req, left, campaign))
                 .await;
-            match outcome {
-                Ok((Attempt::Granted(token), since)) => break (token, since),
+            let failed = match outcome {
+                Ok((Attempt::Granted(token), since)) => {
+                    let elapsed = since.elapsed();
+                    if let Some(v) = validity(ttl, elapsed).filter(|v| usable(ttl, *v)) {
+                        pending.armed = false;
+                        return Ok(inner.grant(req, token, since + v, opts));
+                    }
+                    no_validity(engine, name, elapsed, ttl)
+                }
                 Ok((Attempt::Held { holder, .. }, _)) => {
                     pending.release_now().await;
                     return Err(if wait.is_zero() {
@@ -308,28 +315,20 @@ impl Client {
                         Error::timed_out(name, engine, wait, holder)
                     });
                 }
-                // An engine failure (no leader for a moment, a member going down) leaves the
-                // queue and joins it again at the back, while the wait lasts.
-                Err(e) if e.kind() == ErrorKind::Engine && Instant::now() < deadline => {
-                    pending.release_now().await;
-                    tracing::debug!(error = %e, "queued acquisition failed; retrying");
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    tokio::time::sleep(jitter(backoff).min(left)).await;
-                    backoff = backoff.saturating_mul(2).min(max_backoff);
-                }
-                Err(e) => {
-                    pending.release_now().await;
-                    return Err(e);
-                }
-            }
-        };
-        let elapsed = since.elapsed();
-        let Some(v) = validity(ttl, elapsed).filter(|v| usable(ttl, *v)) else {
+                Err(e) => e,
+            };
             pending.release_now().await;
-            return Err(no_validity(engine, name, elapsed, ttl));
-        };
-        pending.armed = false;
-        Ok(inner.grant(req, token, since + v, opts))
+            // An engine failure (no leader for a moment, a member going down) or a grant too
+            // slow to be of use leaves the queue and joins it again at the back, while the wait
+            // lasts, as the retrying loop does.
+            if failed.kind() != ErrorKind::Engine || Instant::now() >= deadline {
+                return Err(failed);
+            }
+            tracing::debug!(error = %failed, "queued acquisition failed; retrying");
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(jitter(backoff).min(left)).await;
+            backoff = backoff.saturating_mul(2).min(max_backoff);
+        }
     }
 }
 
