@@ -13,7 +13,7 @@ use tracing::Instrument;
 use crate::core::client::{Client, ClientInner};
 use crate::core::engine::{AcquireRequest, Attempt};
 use crate::core::error::{Error, ErrorKind, Result};
-use crate::core::holder::HolderMeta;
+use crate::core::holder::{Holder, HolderMeta};
 use crate::core::lease::{Lease, LeaseState};
 use crate::core::name::validate_name;
 use crate::core::options::{display_duration, handoff_validity, usable, validity, LockOptions};
@@ -223,8 +223,7 @@ impl Client {
                     pending.release_now().await;
                 }
                 return Err(match last {
-                    Ok(holder) if wait.is_zero() => Error::held(name, engine, holder),
-                    Ok(holder) => Error::timed_out(name, engine, wait, holder),
+                    Ok(holder) => self.refusal(name, wait, holder).await,
                     Err(e) => e,
                 });
             }
@@ -309,11 +308,7 @@ impl Client {
                 }
                 Ok((Attempt::Held { holder, .. }, _)) => {
                     pending.release_now().await;
-                    return Err(if wait.is_zero() {
-                        Error::held(name, engine, holder)
-                    } else {
-                        Error::timed_out(name, engine, wait, holder)
-                    });
+                    return Err(self.refusal(name, wait, holder).await);
                 }
                 Err(e) => e,
             };
@@ -328,6 +323,25 @@ impl Client {
             let left = deadline.saturating_duration_since(Instant::now());
             tokio::time::sleep(jitter(backoff).min(left)).await;
             backoff = backoff.saturating_mul(2).min(max_backoff);
+        }
+    }
+}
+
+impl Client {
+    /// The error of an acquisition the lock stayed held through: held (one attempt) or timed
+    /// out, naming the holder. An engine whose refusal cannot name the holder in the same step
+    /// (PostgreSQL advisory locks) has it looked up once here, at the end, rather than on every
+    /// refused attempt.
+    async fn refusal(&self, name: &str, wait: Duration, holder: Option<Holder>) -> Error {
+        let holder = match holder {
+            Some(h) => Some(h),
+            None => self.inspect(name).await.ok().flatten(),
+        };
+        let engine = self.engine();
+        if wait.is_zero() {
+            Error::held(name, engine, holder)
+        } else {
+            Error::timed_out(name, engine, wait, holder)
         }
     }
 }

@@ -14,9 +14,6 @@ pub struct Quirks {
     /// engine expires it on its own clock and in its own unit (etcd grants whole seconds, at
     /// least one), and the validity ends a drift allowance before the engine's expiry.
     pub expiry_lag: Duration,
-    /// Whether a refused attempt names the holder (in the error, and in the `TimedOut` of a
-    /// wait that ends refused). PostgreSQL's `pg_try_advisory_lock` answers only yes or no.
-    pub refusal_names_holder: bool,
     /// Whether `inspect` tells the time left before the engine lets the lock expire.
     /// PostgreSQL never expires an advisory lock by itself.
     pub ttl_left_known: bool,
@@ -30,12 +27,10 @@ pub struct Quirks {
     pub loss_before_validity_ends: bool,
 }
 
-/// What most engines do: expire a lock at its TTL on their own clock, name the holder when
-/// they refuse, record renewals, and notice an outage at the next two renewals.
+/// What most engines do: expire a lock at its TTL on their own clock, record renewals, and notice an outage at the next two renewals.
 const USUAL: Quirks = Quirks {
     short_ttl: Duration::from_millis(500),
     expiry_lag: TTL_EXPIRY,
-    refusal_names_holder: true,
     ttl_left_known: true,
     renewals_recorded: true,
     loss_before_validity_ends: true,
@@ -269,7 +264,6 @@ mod postgres {
             // The server never expires an advisory lock: the client unlocks it once its TTL
             // has passed, on its next sweep.
             expiry_lag: Duration::from_millis(1500),
-            refusal_names_holder: false,
             ttl_left_known: false,
             renewals_recorded: false,
             ..USUAL

@@ -156,9 +156,7 @@ pub async fn cancelled_and_timed_out_acquires_leave_nothing_behind<H: Harness>()
         .await
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
-    if H::QUIRKS.refusal_names_holder {
-        assert_eq!(e.holder().map(|h| h.owner.as_str()), Some(lease.owner()));
-    }
+    assert_eq!(e.holder().map(|h| h.owner.as_str()), Some(lease.owner()));
     assert!(
         started.elapsed() < wait + SLACK * 4,
         "{:?}",
