@@ -92,9 +92,11 @@ fn redis_and_redlock_over_mutual_tls_and_every_refusal_is_clear() {
     );
     let out = run_prints_token(&sb, &redlocks);
     assert_eq!(out.code(), Some(0), "run over redlocks://: {out:?}");
+    // Every node ran fencelock's scripts, and a node has no other port than its TLS one.
     for node in &nodes {
-        let scan = node.cli(&["--scan"]).unwrap();
-        assert!(String::from_utf8_lossy(&scan.stdout).contains("job"));
+        let stats = node.cli(&["INFO", "commandstats"]).unwrap();
+        let stats = String::from_utf8_lossy(&stats.stdout).into_owned();
+        assert!(stats.contains("cmdstat_eval"), "{}: {stats}", node.port());
     }
 
     let port = server.port();
