@@ -40,7 +40,7 @@ pub(crate) struct RedisTarget {
     /// `redlock://`: a majority of the nodes must agree.
     pub(crate) quorum: bool,
     pub(crate) nodes: Vec<Node>,
-    /// One `redis://` URL per node, credentials included, for the redis crate.
+    /// One `redis://` (or `rediss://...?ca=...`) URL per node, credentials included.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) urls: Vec<String>,
     pub(crate) user: Option<String>,
@@ -77,7 +77,15 @@ impl Engine {
             #[cfg(feature = "redis")]
             Backend::Redis(u) => Engine::Redis(RedisTarget {
                 quorum: u.quorum,
-                urls: u.node_urls(),
+                // Each node's own URL keeps the TLS options (`?ca=&cert=&key=`), so that the
+                // bench's direct connections verify and authenticate as the engine does.
+                urls: {
+                    let query = url.split_once('?').map(|(_, q)| format!("?{q}"));
+                    u.node_urls()
+                        .into_iter()
+                        .map(|n| n + query.as_deref().unwrap_or(""))
+                        .collect()
+                },
                 nodes: u.nodes,
                 user: u.user,
                 password: u.password,
@@ -125,6 +133,10 @@ mod tests {
         assert_eq!(t.urls[0], "redis://app:p%40ss@10.0.0.1:7000/3");
         assert_eq!(t.db, 3);
         assert!(t.quorum);
+        let Ok(Engine::Redis(t)) = Engine::parse("redlocks://a:1,b:2,c:3?ca=/c.pem") else {
+            unreachable!("parse failed")
+        };
+        assert_eq!(t.urls[2], "rediss://c:3/0?ca=/c.pem");
         assert!(matches!(
             Engine::parse("sqlite:///tmp/x.db"),
             Ok(Engine::Sqlite)

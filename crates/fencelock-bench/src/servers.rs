@@ -169,11 +169,17 @@ impl Servers {
     }
 }
 
+/// One node's connection, built by the library from the node's URL, TLS settings included.
 #[cfg(feature = "redis")]
 pub(crate) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
-    redis::Client::open(url)?
-        .get_multiplexed_async_connection()
-        .await
+    let client = match fencelock::Backend::parse(url) {
+        Ok(fencelock::Backend::Redis(u)) => u.clients().map_err(|e| e.to_string()),
+        Ok(_) => Err("not a Redis URL".to_owned()),
+        Err(e) => Err(e.to_string()),
+    }
+    .and_then(|mut c| c.pop().ok_or_else(|| "no node in the URL".to_owned()))
+    .map_err(|e| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "node URL", e)))?;
+    client.get_multiplexed_async_connection().await
 }
 
 #[cfg(feature = "redis")]

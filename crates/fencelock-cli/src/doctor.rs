@@ -126,9 +126,17 @@ async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
     let (nodes, quorum) = (&url.nodes, url.quorum);
     let mut offsets = Vec::new();
     let mut run_ids = Vec::new();
-    for (node, url) in nodes.iter().zip(url.node_urls()) {
+    let clients = match url.clients() {
+        Ok(c) => c,
+        Err(e) => {
+            f.unreachable += nodes.len();
+            f.warn(&e.to_string());
+            return;
+        }
+    };
+    for (node, client) in nodes.iter().zip(clients) {
         println!("node {node}");
-        match tokio::time::timeout(Duration::from_secs(5), probe(&url)).await {
+        match tokio::time::timeout(Duration::from_secs(5), probe(client)).await {
             Ok(Ok(p)) => {
                 f.ok(&format!(
                     "reachable, Redis {}, round trip p50 {}",
@@ -209,10 +217,8 @@ struct Probe {
 }
 
 #[cfg(feature = "redis")]
-async fn probe(url: &str) -> redis::RedisResult<Probe> {
-    let mut conn = redis::Client::open(url)?
-        .get_multiplexed_async_connection()
-        .await?;
+async fn probe(client: redis::Client) -> redis::RedisResult<Probe> {
+    let mut conn = client.get_multiplexed_async_connection().await?;
     let mut rtts = Vec::new();
     for _ in 0..5 {
         let t = std::time::Instant::now();

@@ -28,6 +28,7 @@ mod etcd;
 mod postgres;
 mod proc;
 mod redis;
+mod tls;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
@@ -36,6 +37,7 @@ pub use command::{BinCommand, Finished, Proc, ProcError};
 pub use etcd::{EtcdCluster, EtcdTls};
 pub use postgres::{PgBouncer, PgServer};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
+pub use tls::TestTls;
 
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.
 ///

@@ -66,7 +66,14 @@ impl PgServer {
     /// The binaries come from `$FENCELOCK_PG_BINDIR`, else `/usr/lib/postgresql/15/bin`,
     /// else the newest `/usr/lib/postgresql/*/bin`.
     pub fn start() -> io::Result<PgServer> {
-        start_in(&bindir()?)
+        start_in(&bindir()?, None)
+    }
+
+    /// Like [`PgServer::start`], with `ssl = on` (the server certificate of `tls`, and its CA
+    /// for client certificates) and a `pg_hba.conf` whose only lines are `hostssl`: a session
+    /// without TLS is refused by the server.
+    pub fn start_tls(tls: &crate::TestTls) -> io::Result<PgServer> {
+        start_in(&bindir()?, Some(tls))
     }
 
     /// The TCP port the server listens on (stable across restarts).
@@ -184,13 +191,16 @@ impl Drop for PgServer {
     }
 }
 
-fn start_in(bindir: &Path) -> io::Result<PgServer> {
+fn start_in(bindir: &Path, tls: Option<&crate::TestTls>) -> io::Result<PgServer> {
     let dir = tempfile::Builder::new().prefix("fencelock-pg-").tempdir()?;
     let account = service_account()?;
     if let Some((uid, gid)) = account {
         nix::unistd::chown(dir.path(), Some(uid), Some(gid)).map_err(io::Error::from)?;
     }
     initdb(bindir, dir.path())?;
+    if let Some(tls) = tls {
+        serve_tls_only(&dir.path().join(DATA_DIR), tls, account)?;
+    }
     let mut last_err = None;
     for _ in 0..START_ATTEMPTS {
         let port = free_port();
@@ -209,6 +219,40 @@ fn start_in(bindir: &Path) -> io::Result<PgServer> {
         }
     }
     Err(last_err.unwrap_or_else(|| io::Error::other("postgres was never started")))
+}
+
+/// Copies the server's certificate, key and CA into the data directory (the server refuses a
+/// key others can read), turns `ssl` on and leaves only `hostssl` lines in `pg_hba.conf`.
+fn serve_tls_only(
+    data: &Path,
+    tls: &crate::TestTls,
+    account: Option<(Uid, Gid)>,
+) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for (from, to) in [
+        (&tls.server_cert, "server.crt"),
+        (&tls.server_key, "server.key"),
+        (&tls.ca, "root.crt"),
+    ] {
+        let path = data.join(to);
+        fs::copy(from, &path)?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600))?;
+        if let Some((uid, gid)) = account {
+            nix::unistd::chown(&path, Some(uid), Some(gid)).map_err(io::Error::from)?;
+        }
+    }
+    let mut conf = fs::OpenOptions::new()
+        .append(true)
+        .open(data.join("postgresql.conf"))?;
+    io::Write::write_all(
+        &mut conf,
+        b"ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n\
+          ssl_ca_file = 'root.crt'\n",
+    )?;
+    fs::write(
+        data.join("pg_hba.conf"),
+        "hostssl all all 127.0.0.1/32 trust\nhostssl all all ::1/128 trust\n",
+    )
 }
 
 fn initdb(bindir: &Path, dir: &Path) -> io::Result<()> {
@@ -651,7 +695,7 @@ mod tests {
 
     #[test]
     fn missing_binaries_name_the_package() {
-        let err = start_in(Path::new("/nonexistent/bin")).unwrap_err();
+        let err = start_in(Path::new("/nonexistent/bin"), None).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
         let msg = err.to_string();
         assert!(msg.contains("/nonexistent/bin/initdb"), "{msg}");

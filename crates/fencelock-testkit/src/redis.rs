@@ -45,6 +45,8 @@ const LOG_TAIL_LINES: usize = 20;
 pub struct RedisServer {
     bin: PathBuf,
     extra_args: Vec<String>,
+    /// Serves TLS only, on `port`, requiring client certificates signed by this CA.
+    tls: Option<crate::TestTls>,
     port: u16,
     pid: u32,
     /// `None` once killed. Kept unreaped until we signal it, so its pid
@@ -68,7 +70,14 @@ impl RedisServer {
     /// ones, so these can also replace the defaults. They are reused by
     /// [`RedisServer::restart`].
     pub fn start_with(extra_args: &[&str]) -> io::Result<RedisServer> {
-        start_bin(&server_bin(), extra_args)
+        start_bin(&server_bin(), extra_args, None)
+    }
+
+    /// A server that speaks TLS only (`--port 0 --tls-port P`), with `tls`'s server
+    /// certificate, and requires a client certificate signed by `tls.ca`
+    /// (`--tls-auth-clients yes`). [`RedisServer::cli`] connects with the client certificate.
+    pub fn start_tls(tls: &crate::TestTls, extra_args: &[&str]) -> io::Result<RedisServer> {
+        start_bin(&server_bin(), extra_args, Some(tls.clone()))
     }
 
     /// The TCP port the server listens on (stable across restarts).
@@ -84,6 +93,22 @@ impl RedisServer {
     /// `"redis://127.0.0.1:PORT"`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// For a server from [`RedisServer::start_tls`]:
+    /// `"rediss://127.0.0.1:PORT?ca=CA&cert=CLIENT_CERT&key=CLIENT_KEY"` (the test kit's
+    /// temporary paths need no percent-encoding); else [`RedisServer::url`].
+    pub fn tls_url(&self) -> String {
+        match &self.tls {
+            Some(tls) => format!(
+                "rediss://127.0.0.1:{}?ca={}&cert={}&key={}",
+                self.port,
+                tls.ca.display(),
+                tls.client_cert.display(),
+                tls.client_key.display()
+            ),
+            None => self.url(),
+        }
     }
 
     /// The pid of the current process, or of the last one after
@@ -143,7 +168,7 @@ impl RedisServer {
         self.kill();
         let deadline = Instant::now() + RESTART_BIND_TIMEOUT;
         loop {
-            match launch(&self.bin, self.port, &self.extra_args) {
+            match launch(&self.bin, self.port, &self.extra_args, self.tls.as_ref()) {
                 Ok((child, dir)) => {
                     self.pid = child.id();
                     self.child = Some(child);
@@ -166,9 +191,18 @@ impl RedisServer {
     /// status 0.
     pub fn cli(&self, args: &[&str]) -> io::Result<Output> {
         let bin = env_or(CLI_ENV, "redis-cli");
-        Command::new(&bin)
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
+        let mut cmd = Command::new(&bin);
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        if let Some(tls) = &self.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&tls.ca)
+                .arg("--cert")
+                .arg(&tls.client_cert)
+                .arg("--key")
+                .arg(&tls.client_key);
+        }
+        cmd.args(args)
             .stdin(Stdio::null())
             .output()
             .map_err(|e| explain_spawn_error(e, &bin, "redis-cli", CLI_ENV, "redis-tools"))
@@ -217,16 +251,21 @@ pub fn backend_url(nodes: &[RedisServer]) -> String {
 /// Starts `bin` on a free port. Taking the binary as a parameter lets tests
 /// exercise a missing binary without mutating the process-global
 /// environment, which concurrently running tests would observe.
-fn start_bin(bin: &Path, extra_args: &[&str]) -> io::Result<RedisServer> {
+fn start_bin(
+    bin: &Path,
+    extra_args: &[&str],
+    tls: Option<crate::TestTls>,
+) -> io::Result<RedisServer> {
     let extra_args: Vec<String> = extra_args.iter().map(|s| (*s).to_owned()).collect();
     let mut last_err = None;
     for _ in 0..START_ATTEMPTS {
         let port = free_port();
-        match launch(bin, port, &extra_args) {
+        match launch(bin, port, &extra_args, tls.as_ref()) {
             Ok((child, dir)) => {
                 return Ok(RedisServer {
                     bin: bin.to_owned(),
                     extra_args,
+                    tls,
                     port,
                     pid: child.id(),
                     child: Some(child),
@@ -243,14 +282,30 @@ fn start_bin(bin: &Path, extra_args: &[&str]) -> io::Result<RedisServer> {
 /// Spawns one process on `port` and waits until it is ready. On failure the
 /// process is gone and the error says why; a port conflict is reported as
 /// `ErrorKind::AddrInUse` so callers can retry.
-fn launch(bin: &Path, port: u16, extra_args: &[String]) -> io::Result<(Child, TempDir)> {
+fn launch(
+    bin: &Path,
+    port: u16,
+    extra_args: &[String],
+    tls: Option<&crate::TestTls>,
+) -> io::Result<(Child, TempDir)> {
     let dir = tempfile::Builder::new()
         .prefix("fencelock-redis-")
         .tempdir()?;
     let stderr = File::create(dir.path().join(STDERR_FILE))?;
-    let mut child = Command::new(bin)
-        .arg("--port")
-        .arg(port.to_string())
+    let mut cmd = Command::new(bin);
+    match tls {
+        None => cmd.arg("--port").arg(port.to_string()),
+        Some(tls) => cmd
+            .args(["--port", "0", "--tls-port", &port.to_string()])
+            .arg("--tls-cert-file")
+            .arg(&tls.server_cert)
+            .arg("--tls-key-file")
+            .arg(&tls.server_key)
+            .arg("--tls-ca-cert-file")
+            .arg(&tls.ca)
+            .args(["--tls-auth-clients", "yes"]),
+    };
+    let mut child = cmd
         .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .arg("--dir")
         .arg(dir.path())
@@ -266,7 +321,7 @@ fn launch(bin: &Path, port: u16, extra_args: &[String]) -> io::Result<(Child, Te
         .spawn()
         .map_err(|e| explain_spawn_error(e, bin, "redis-server", SERVER_ENV, "redis-server"))?;
 
-    match wait_ready(&mut child, port, dir.path()) {
+    match wait_ready(&mut child, port, dir.path(), tls.is_some()) {
         Ok(()) => Ok((child, dir)),
         Err(e) => {
             stop(&mut child);
@@ -275,7 +330,7 @@ fn launch(bin: &Path, port: u16, extra_args: &[String]) -> io::Result<(Child, Te
     }
 }
 
-fn wait_ready(child: &mut Child, port: u16, dir: &Path) -> io::Result<()> {
+fn wait_ready(child: &mut Child, port: u16, dir: &Path, tls: bool) -> io::Result<()> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Some(status) = child.try_wait()? {
@@ -296,7 +351,14 @@ fn wait_ready(child: &mut Child, port: u16, dir: &Path) -> io::Result<()> {
                 ),
             ));
         }
-        if answers_ping(port, child.id()) {
+        // A TLS-only server cannot be asked in plain text: its log says when it listens,
+        // and the log is in the server's own directory, so it is this server's word.
+        let ready = if tls {
+            read_lossy(&dir.join(LOG_FILE)).contains("Ready to accept connections")
+        } else {
+            answers_ping(port, child.id())
+        };
+        if ready {
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -524,7 +586,7 @@ mod tests {
 
     #[test]
     fn missing_binary_names_the_package() {
-        let err = start_bin(Path::new("/nonexistent/redis-server"), &[]).unwrap_err();
+        let err = start_bin(Path::new("/nonexistent/redis-server"), &[], None).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
         let msg = err.to_string();
         assert!(msg.contains("/nonexistent/redis-server"), "{msg}");
@@ -537,7 +599,7 @@ mod tests {
     fn taken_port_is_reported_as_addr_in_use() {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let err = launch(&server_bin(), port, &[]).unwrap_err();
+        let err = launch(&server_bin(), port, &[], None).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
         assert!(err.to_string().contains("Address already in use"), "{err}");
     }

@@ -142,7 +142,7 @@ pub use crate::core::url::{redact_url, HostPort};
 #[cfg(feature = "etcd")]
 pub use crate::engines::etcd::url::EtcdUrl;
 #[cfg(feature = "postgres")]
-pub use crate::engines::postgres::url::{PgMode, PostgresUrl};
+pub use crate::engines::postgres::url::{PgMode, PgTls, PostgresUrl, SslMode};
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::url::RedisUrl;
 #[cfg(feature = "sqlite")]

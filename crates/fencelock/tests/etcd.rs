@@ -319,7 +319,26 @@ async fn mutual_tls_needs_the_ca_and_a_client_certificate() {
         tls.client_cert.display(),
         tls.client_key.display()
     );
-    for url in [no_cert, wrong_ca, format!("etcd://{ep}")] {
+    // A client certificate from another CA: the server refuses it.
+    let other_client = format!(
+        "etcds://{ep}?ca={}&cert={}&key={}",
+        tls.ca.display(),
+        other.client_cert.display(),
+        other.client_key.display()
+    );
+    // No line of a private key may reach an error message.
+    let key_lines: Vec<String> = [&tls.client_key, &other.client_key]
+        .iter()
+        .flat_map(|k| {
+            std::fs::read_to_string(k)
+                .unwrap()
+                .lines()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .filter(|l| !l.starts_with("-----") && l.len() > 16)
+        .collect();
+    for url in [no_cert, wrong_ca, other_client, format!("etcd://{ep}")] {
         let client = Client::builder(&url)
             .op_timeout(Duration::from_millis(500))
             .connect()
@@ -332,6 +351,11 @@ async fn mutual_tls_needs_the_ca_and_a_client_certificate() {
             Err(e) => e,
         };
         assert_eq!(e.kind(), ErrorKind::Engine, "{url}: {e}");
+        let text = format!("{e} {e:?}");
+        assert!(
+            !key_lines.iter().any(|l| text.contains(l)),
+            "{url}: key material"
+        );
     }
     // A missing file is the caller's mistake.
     let e = Client::connect(&format!("etcds://{ep}?ca=/nonexistent/ca.pem"))

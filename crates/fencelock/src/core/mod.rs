@@ -18,6 +18,8 @@ pub(crate) mod name;
 pub(crate) mod options;
 pub(crate) mod records;
 pub(crate) mod sql;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) mod tls;
 pub(crate) mod token;
 pub(crate) mod url;
 pub(crate) mod wake;

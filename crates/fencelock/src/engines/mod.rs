@@ -32,7 +32,8 @@ pub enum Backend {
     #[cfg(feature = "sqlite")]
     #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
     Sqlite(sqlite::url::SqliteUrl),
-    /// `redis://` / `rediss://` (one node) and `redlock://` (N independent nodes).
+    /// `redis://` / `rediss://` (one node) and `redlock://` / `redlocks://` (N independent
+    /// nodes); the second of each pair over TLS.
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     Redis(redis::url::RedisUrl),
@@ -47,7 +48,8 @@ pub enum Backend {
     Etcd(etcd::url::EtcdUrl),
 }
 
-const SCHEMES: &str = "sqlite://, redis://, rediss://, redlock://, postgres://, etcd://, etcds://";
+const SCHEMES: &str =
+    "sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, etcd://, etcds://";
 
 impl Backend {
     /// Parses a backend URL, with the same rules and errors as [`Client::connect`].
@@ -64,7 +66,9 @@ impl Backend {
             #[cfg(feature = "sqlite")]
             "sqlite" => sqlite::url::parse(rest).map(Backend::Sqlite),
             #[cfg(feature = "redis")]
-            "redis" | "rediss" | "redlock" => redis::url::parse(scheme, rest).map(Backend::Redis),
+            "redis" | "rediss" | "redlock" | "redlocks" => {
+                redis::url::parse(scheme, rest).map(Backend::Redis)
+            }
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => postgres::url::parse(scheme, rest).map(Backend::Postgres),
             #[cfg(feature = "etcd")]
@@ -72,7 +76,7 @@ impl Backend {
             #[cfg(not(feature = "sqlite"))]
             "sqlite" => Err(left_out("sqlite")),
             #[cfg(not(feature = "redis"))]
-            "redis" | "rediss" | "redlock" => Err(left_out("redis")),
+            "redis" | "rediss" | "redlock" | "redlocks" => Err(left_out("redis")),
             #[cfg(not(feature = "postgres"))]
             "postgres" | "postgresql" => Err(left_out("postgres")),
             #[cfg(not(feature = "etcd"))]
@@ -193,6 +197,7 @@ mod url_tests {
             ("redis://h:1", "redis"),
             ("rediss://h:1", "redis"),
             ("redlock://a,b,c", "redlock"),
+            ("redlocks://a,b,c", "redlock"),
             ("postgres://h/db", "postgres"),
             ("postgresql://h/db?mode=lease", "postgres-lease"),
             ("etcd://h", "etcd"),

@@ -102,6 +102,28 @@ impl PgFence {
         PgFence::default()
     }
 
+    /// A client for the fence's statements, from the same URLs as the PostgreSQL engine
+    /// (`postgres://...?sslmode=verify-full&sslrootcert=PATH[&sslcert=PATH&sslkey=PATH]`,
+    /// with libpq's meaning for each `sslmode`); its connection is driven by a task of its
+    /// own. Any other client of the caller's works as well.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL that is not a
+    /// PostgreSQL one or TLS files that cannot be read;
+    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the server cannot be reached within
+    /// `timeout`, refuses the session or fails the TLS handshake.
+    pub async fn connect(url: &str, timeout: std::time::Duration) -> Result<Client> {
+        // The fence reads URLs through the library's public parser, as any caller would.
+        match crate::Backend::parse(url)? {
+            crate::Backend::Postgres(u) => u.connect(timeout).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::invalid(format!(
+                "fence URL {}: a PgFence needs a postgres:// URL",
+                crate::core::url::redact_url(url)
+            ))),
+        }
+    }
+
     /// A fence on another table, `name` or `schema.name`: lowercase ASCII letters, digits
     /// and `_`, not starting with a digit, at most 63 bytes each. Anything else is
     /// [`ErrorKind::InvalidInput`], so the name is safe to put into SQL unquoted.

@@ -40,10 +40,28 @@ pub struct RedisFence {
 }
 
 impl RedisFence {
-    /// Connects to one Redis node (`redis://[user:pass@]host:port[/db]`).
+    /// Connects to one Redis node: `redis://[user:pass@]host:port[/db]`, or over TLS
+    /// `rediss://...[?ca=PATH&cert=PATH&key=PATH]`, as the engine reads them (the URL
+    /// rules are those of [`RedisUrl`](crate::RedisUrl)).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL that is not one
+    /// node's, or TLS files that cannot be read;
+    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the node cannot be reached (or the
+    /// TLS handshake fails).
     pub async fn connect(url: &str, prefix: &str) -> Result<RedisFence> {
-        let client =
-            redis::Client::open(url).map_err(|e| Error::invalid(format!("fence URL: {e}")))?;
+        // The fence reads URLs through the library's public parser, as any caller would.
+        let client = match crate::Backend::parse(url)? {
+            crate::Backend::Redis(u) if !u.quorum => u.clients()?.pop(),
+            _ => None,
+        }
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "fence URL {}: a fence lives on one Redis node; write redis://host:port or \
+                 rediss://host:port",
+                crate::core::url::redact_url(url)
+            ))
+        })?;
         let conn = ConnectionManager::new(client).await.map_err(|e| {
             Error::engine_failure(ENGINE, "cannot connect the fence").with_source(e)
         })?;

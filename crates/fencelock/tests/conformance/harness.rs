@@ -178,7 +178,8 @@ mod redis {
             "redis://h:x",
             "redis://",
             "redis://127.0.0.1:6379/x",
-            "rediss://127.0.0.1:1",
+            "rediss://127.0.0.1:1?cert=/only-a-certificate.pem",
+            "rediss://127.0.0.1:1?ca=/nonexistent/ca.pem",
         ];
 
         fn start() -> Redis {

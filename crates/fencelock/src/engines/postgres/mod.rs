@@ -44,6 +44,7 @@
 
 mod advisory;
 mod lease;
+mod tls;
 pub(crate) mod url;
 
 use std::str::FromStr;
@@ -53,7 +54,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_postgres::{AsyncMessage, Client, Config};
+use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
 use crate::core::engine::{EngineConfig, Opened};
@@ -120,20 +122,12 @@ CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
 /// session; in lease-table mode the lock alone.
 pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened> {
     let kind = url.engine();
-    let PostgresUrl { url, mode, pool } = url;
-    let mut config = Config::from_str(&url).map_err(|e| {
-        Error::invalid(format!(
-            "the PostgreSQL URL {} is not valid: {e}",
-            redact_url(&url)
-        ))
-    })?;
-    if config.get_application_name().is_none() {
-        config.application_name("fencelock");
-    }
-    config.connect_timeout(cfg.op_timeout);
+    let (config, tls) = driver_config(&url, cfg.op_timeout)?;
+    let PostgresUrl { mode, pool, .. } = url;
     let shared = Shared {
         kind,
         config,
+        tls,
         prefix: cfg.prefix.clone(),
         op_timeout: cfg.op_timeout,
         channel: channel_name(&cfg.prefix),
@@ -146,6 +140,7 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
     shared.bounded(create_schema(&first)).await?;
     tokio::spawn(listen_for_wakeups(
         shared.config.clone(),
+        shared.tls.clone(),
         shared.channel.clone(),
         shared.wakers.clone(),
         shared.shutdown.clone(),
@@ -163,6 +158,94 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
             shared, sessions, first,
         )))),
     }
+}
+
+/// The driver's configuration and the TLS connector of a URL.
+fn driver_config(url: &PostgresUrl, timeout: Duration) -> Result<(Config, MakeRustlsConnect)> {
+    let mut config = Config::from_str(&url.url).map_err(|e| {
+        Error::invalid(format!(
+            "the PostgreSQL URL {} is not valid: {e}",
+            redact_url(&url.url)
+        ))
+    })?;
+    if config.get_application_name().is_none() {
+        config.application_name("fencelock");
+    }
+    config.connect_timeout(timeout);
+    Ok((config, tls::connector(&url.tls)?))
+}
+
+impl PostgresUrl {
+    /// One session to the server, with the URL's TLS settings (`sslmode`, `sslrootcert`,
+    /// `sslcert`, `sslkey`) as the engine applies them, its connection driven by a task of
+    /// its own: for a [`PgFence`](crate::fence::PgFence) and tools that run their own
+    /// statements. fencelock's own parameters (`mode`, `pool`) play no part.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL the driver
+    /// refuses or TLS files that cannot be read;
+    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the server cannot be reached within
+    /// `timeout`, refuses the session or fails the TLS handshake.
+    pub async fn connect(&self, timeout: Duration) -> Result<Client> {
+        let (config, tls) = driver_config(self, timeout)?;
+        connect_session(self.engine(), &config, tls, timeout, || {}).await
+    }
+}
+
+/// A new session whose connection runs in a task of its own; `on_end` runs when it ends.
+async fn connect_session(
+    kind: &'static str,
+    config: &Config,
+    tls: MakeRustlsConnect,
+    limit: Duration,
+    on_end: impl FnOnce() + Send + 'static,
+) -> Result<Client> {
+    let (client, connection) = match tokio::time::timeout(limit, config.connect(tls)).await {
+        Ok(Ok(pair)) => pair,
+        Ok(Err(e)) => {
+            let what = format!(
+                "cannot connect to PostgreSQL; check that the server is up and the URL, user, \
+                 password and TLS settings (sslmode, sslrootcert, sslcert, sslkey) are \
+                 right{}",
+                causes(&e)
+            );
+            return Err(pg_error(kind, &what, e));
+        }
+        Err(_) => {
+            return Err(Error::engine_failure(
+                kind,
+                format!(
+                    "cannot connect to PostgreSQL within {}; check that the server is up",
+                    crate::core::options::display_duration(limit)
+                ),
+            ))
+        }
+    };
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "PostgreSQL session ended");
+        }
+        on_end();
+    });
+    Ok(client)
+}
+
+/// What the driver's message leaves out: a failed TLS handshake says why (an unknown CA, a
+/// name the certificate does not hold) only in the errors under it.
+fn causes(e: &tokio_postgres::Error) -> String {
+    let top = e.to_string();
+    let mut out = String::new();
+    let mut next = std::error::Error::source(e);
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !top.contains(&text) && !out.contains(&text) {
+            out.push_str(" (");
+            out.push_str(&text);
+            out.push(')');
+        }
+        next = cause.source();
+    }
+    out
 }
 
 /// The advisory lock key of a resource: the first 8 bytes of SHA-256(prefix ‖ name) as a
@@ -189,6 +272,7 @@ fn channel_name(prefix: &str) -> String {
 pub(crate) struct Shared {
     kind: &'static str,
     config: Config,
+    tls: MakeRustlsConnect,
     prefix: String,
     op_timeout: Duration,
     channel: String,
@@ -226,33 +310,14 @@ impl Shared {
 
     /// A new session whose connection runs in a task of its own; `on_end` runs when it ends.
     async fn connect_with(&self, on_end: impl FnOnce() + Send + 'static) -> Result<Client> {
-        let attempt = tokio::time::timeout(self.op_timeout, self.config.connect(NoTls)).await;
-        let (client, connection) = match attempt {
-            Ok(Ok(pair)) => pair,
-            Ok(Err(e)) => {
-                return Err(self.error(
-                    "cannot connect to PostgreSQL; check that the server is up and the URL, \
-                     user and password are right",
-                    e,
-                ))
-            }
-            Err(_) => {
-                return Err(Error::engine_failure(
-                    self.kind,
-                    format!(
-                        "cannot connect to PostgreSQL within {}; check that the server is up",
-                        crate::core::options::display_duration(self.op_timeout)
-                    ),
-                ))
-            }
-        };
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "PostgreSQL session ended");
-            }
-            on_end();
-        });
-        Ok(client)
+        connect_session(
+            self.kind,
+            &self.config,
+            self.tls.clone(),
+            self.op_timeout,
+            on_end,
+        )
+        .await
     }
 
     async fn connect(&self) -> Result<Client> {
@@ -369,12 +434,13 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
 /// their backoff.
 async fn listen_for_wakeups(
     config: Config,
+    tls: MakeRustlsConnect,
     channel: String,
     wakers: Arc<Wakers>,
     shutdown: CancellationToken,
 ) {
     keep_listening("wake-up listener", shutdown, || async {
-        let (client, mut connection) = config.connect(NoTls).await?;
+        let (client, mut connection) = config.connect(tls.clone()).await?;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
         let driver = tokio::spawn(async move {

@@ -1,7 +1,12 @@
 //! `postgres://` and `postgresql://` URLs: libpq's own form, plus fencelock's `mode` and `pool`
-//! parameters, which are taken out before the driver sees the rest.
+//! parameters, which are taken out before the driver sees the rest. So are libpq's TLS
+//! parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`), which the driver knows only in
+//! part: fencelock applies them itself, with libpq's meaning (see [`SslMode`]).
+
+use std::path::PathBuf;
 
 use crate::core::error::{Error, Result};
+use crate::core::url::decode;
 
 /// The default number of pooled PostgreSQL connections per client.
 pub(crate) const DEFAULT_POOL: usize = 4;
@@ -19,6 +24,71 @@ pub struct PostgresUrl {
     /// The most connections one client opens (`?pool=N`, 2 to 10, default 4): one listens
     /// for wake-up notifications, the others carry the leases.
     pub pool: usize,
+    /// The TLS settings: libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey`.
+    pub tls: PgTls,
+}
+
+/// libpq's TLS parameters of a PostgreSQL URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PgTls {
+    /// `sslmode`, `prefer` when absent (as libpq).
+    pub mode: SslMode,
+    /// `sslrootcert=PATH`: the CA certificate(s) (PEM) to verify the server with; the
+    /// system's roots when absent (libpq would read `~/.postgresql/root.crt`).
+    pub root_cert: Option<PathBuf>,
+    /// `sslcert=PATH`: a client certificate (PEM), for `hostssl ... cert` lines.
+    pub cert: Option<PathBuf>,
+    /// `sslkey=PATH`: its private key (PEM).
+    pub key: Option<PathBuf>,
+}
+
+/// libpq's `sslmode`, with libpq's meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SslMode {
+    /// Plaintext only.
+    Disable,
+    /// TLS if the server accepts it, else plaintext (only when the server declines TLS, never
+    /// after a failed handshake). The certificate is checked as with `require`.
+    Prefer,
+    /// TLS or no connection. The certificate chain is verified only when `sslrootcert` is
+    /// given (then as `verify-ca`), as libpq does.
+    Require,
+    /// TLS, with the server's certificate chain verified against `sslrootcert` (or the system's
+    /// roots); the host name is not checked.
+    VerifyCa,
+    /// As `verify-ca`, and the certificate must name the host as written in the URL.
+    VerifyFull,
+}
+
+impl SslMode {
+    fn parse(v: &str) -> Result<SslMode> {
+        Ok(match v {
+            "disable" => SslMode::Disable,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            // libpq's `allow` tries plaintext first: a downgrade fencelock does not offer.
+            other => {
+                return Err(Error::invalid(format!(
+                    "sslmode {other:?} in the backend URL is not one of disable, prefer, \
+                     require, verify-ca, verify-full"
+                )))
+            }
+        })
+    }
+
+    /// The value the driver is given: it knows disable, prefer and require, and fencelock's
+    /// certificate verifier does the rest.
+    fn driver_value(self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Prefer => "prefer",
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => "require",
+        }
+    }
 }
 
 impl PostgresUrl {
@@ -52,6 +122,12 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
     };
     let mut mode = PgMode::Advisory;
     let mut pool = DEFAULT_POOL;
+    let mut tls = PgTls {
+        mode: SslMode::Prefer,
+        root_cert: None,
+        cert: None,
+        key: None,
+    };
     let mut kept = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -78,9 +154,31 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
                         ))
                     })?
             }
+            "sslmode" => tls.mode = SslMode::parse(v)?,
+            "sslrootcert" | "sslcert" | "sslkey" => {
+                if v.is_empty() {
+                    return Err(Error::invalid(format!(
+                        "{k} in the backend URL needs a file path"
+                    )));
+                }
+                let path = Some(PathBuf::from(decode(v, "TLS file path")?));
+                match k {
+                    "sslrootcert" => tls.root_cert = path,
+                    "sslcert" => tls.cert = path,
+                    _ => tls.key = path,
+                }
+            }
             _ => kept.push(pair),
         }
     }
+    if tls.cert.is_some() != tls.key.is_some() {
+        return Err(Error::invalid(
+            "a client certificate needs its key and a key its certificate: give both sslcert \
+             and sslkey",
+        ));
+    }
+    let sslmode = format!("sslmode={}", tls.mode.driver_value());
+    kept.push(&sslmode);
     if base.is_empty() || base.starts_with('/') && !kept.iter().any(|p| p.starts_with("host=")) {
         return Err(Error::invalid(
             "the PostgreSQL URL names no host; write postgres://user@host:port/database",
@@ -91,7 +189,12 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
         url.push('?');
         url.push_str(&kept.join("&"));
     }
-    Ok(PostgresUrl { url, mode, pool })
+    Ok(PostgresUrl {
+        url,
+        mode,
+        pool,
+        tls,
+    })
 }
 
 #[cfg(test)]
@@ -110,17 +213,46 @@ mod tests {
                 url: "postgres://u:p@127.0.0.1:5432/db?sslmode=disable".into(),
                 mode: PgMode::Lease,
                 pool: 8,
+                tls: PgTls {
+                    mode: SslMode::Disable,
+                    root_cert: None,
+                    cert: None,
+                    key: None
+                },
             })
         );
         assert_eq!(
             parse("postgresql", "h/db").ok(),
             Some(PostgresUrl {
-                url: "postgresql://h/db".into(),
+                url: "postgresql://h/db?sslmode=prefer".into(),
                 mode: PgMode::Advisory,
                 pool: DEFAULT_POOL,
+                tls: PgTls {
+                    mode: SslMode::Prefer,
+                    root_cert: None,
+                    cert: None,
+                    key: None
+                },
             })
         );
-        for rest in ["h/db?mode=x", "h/db?pool=1", "h/db?pool=11", ""] {
+        let Ok(u) = parse(
+            "postgres",
+            "h/db?sslmode=verify-full&sslrootcert=/r%20c.pem&sslcert=/c&sslkey=/k&connect_timeout=3",
+        ) else {
+            unreachable!("parse failed")
+        };
+        assert_eq!(u.url, "postgres://h/db?connect_timeout=3&sslmode=require");
+        assert_eq!(u.tls.mode, SslMode::VerifyFull);
+        assert_eq!(u.tls.root_cert, Some("/r c.pem".into()));
+        for rest in [
+            "h/db?mode=x",
+            "h/db?pool=1",
+            "h/db?pool=11",
+            "",
+            "h/db?sslmode=allow",
+            "h/db?sslcert=/c",
+            "h/db?sslrootcert=",
+        ] {
             let e = parse("postgres", rest).expect_err(rest);
             assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{rest}");
         }

@@ -1,4 +1,5 @@
-//! Redis engines: one node (`redis://`) and Redlock over N independent nodes (`redlock://`).
+//! Redis engines: one node (`redis://`) and Redlock over N independent nodes (`redlock://`),
+//! each also over TLS (`rediss://`, `redlocks://`; see [`url`]).
 //!
 //! Both are one engine with N nodes and a quorum of `N / 2 + 1` (1 for a single node).
 //!
@@ -42,23 +43,17 @@ use url::RedisUrl;
 
 /// Opens the nodes of `url`: the lock, and a FIFO queue of waiters on every node (fair mode).
 pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
-    let urls = url.node_urls();
+    let clients = url.clients()?;
     let kind = url.engine();
     let RedisUrl {
-        tls, quorum, nodes, ..
+        quorum, nodes, tls, ..
     } = url;
-    if tls {
-        return Err(Error::invalid(
-            "rediss:// (TLS) is not supported by this build yet; use redis:// on a trusted \
-             network or a TLS tunnel",
-        ));
-    }
     let shutdown = CancellationToken::new();
     let wakers = Arc::new(Wakers::default());
     let channel = keys::client_channel(&cfg.prefix, &format!("{:016x}", rand::random::<u64>()));
     let mut conns = Vec::with_capacity(nodes.len());
-    for (node, url) in nodes.iter().zip(&urls) {
-        let (node, client) = Node::connect(kind, node, url, cfg.op_timeout)?;
+    for (node, client) in nodes.iter().zip(clients) {
+        let (node, client) = Node::connect(kind, node, client, cfg.op_timeout)?;
         tokio::spawn(wakeup::listen_for_wakeups(
             client,
             cfg.prefix.clone(),
@@ -84,8 +79,14 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         engine.nodes[0].ping(cfg.op_timeout).await.map_err(|e| {
             let hint = if e.kind() == redis::ErrorKind::AuthenticationFailed {
                 "authentication failed; check the user and password in the URL"
+            } else if tls {
+                "cannot connect over TLS; check that the server is up and serves TLS on this \
+                 port, that ca= holds the CA that signed its certificate, which must name the \
+                 host as written in the URL, and that cert= and key= are given when it \
+                 requires a client certificate"
             } else {
-                "cannot connect; check that the server is up and the URL is right"
+                "cannot connect; check that the server is up and the URL is right (rediss:// \
+                 if it serves TLS only)"
             };
             Error::engine_failure(kind, format!("{}: {hint}", engine.nodes[0].addr)).with_source(e)
         })?;

@@ -35,11 +35,9 @@ impl Node {
     pub(super) fn connect(
         kind: &'static str,
         node: &HostPort,
-        url: &str,
+        client: redis::Client,
         op_timeout: Duration,
     ) -> Result<(Node, redis::Client)> {
-        let client = redis::Client::open(url)
-            .map_err(|e| Error::invalid(format!("node {}:{}: {e}", node.host, node.port)))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(op_timeout))
             // Every call already has a deadline of its own (per node, per operation); a third

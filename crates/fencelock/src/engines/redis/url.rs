@@ -1,5 +1,12 @@
-//! `redis://` and `rediss://` (one node) and `redlock://` (N independent nodes):
-//! `SCHEME://[user:password@]host:port[,host:port...][/db]`.
+//! `redis://` and `rediss://` (one node), `redlock://` and `redlocks://` (N independent
+//! nodes): `SCHEME://[user:password@]host:port[,host:port...][/db][?ca=PATH&cert=PATH&key=PATH]`.
+//!
+//! The TLS schemes (`rediss`, `redlocks`) verify every node's certificate chain and its name
+//! (the host as written in the URL): against `ca=` when given, else the system's roots.
+//! `cert=` and `key=` (both or neither) present a client certificate, for servers with
+//! `tls-auth-clients yes`.
+
+use std::path::PathBuf;
 
 use crate::core::error::{Error, Result};
 use crate::core::url::{decode, parse_host_port, HostPort};
@@ -11,9 +18,9 @@ const DEFAULT_PORT: u16 = 6379;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisUrl {
-    /// `rediss://`.
+    /// `rediss://` or `redlocks://`.
     pub tls: bool,
-    /// `redlock://`: a majority of the nodes must agree.
+    /// `redlock://` or `redlocks://`: a majority of the nodes must agree.
     pub quorum: bool,
     /// The nodes, in URL order.
     pub nodes: Vec<HostPort>,
@@ -23,6 +30,13 @@ pub struct RedisUrl {
     pub password: Option<String>,
     /// Database number.
     pub db: i64,
+    /// `?ca=PATH`: the CA certificate(s) (PEM) that signed the nodes' certificates; the
+    /// system's roots when absent.
+    pub ca: Option<PathBuf>,
+    /// `?cert=PATH`: the client certificate (PEM), for nodes that require one.
+    pub cert: Option<PathBuf>,
+    /// `?key=PATH`: the client certificate's private key (PEM).
+    pub key: Option<PathBuf>,
 }
 
 impl RedisUrl {
@@ -35,7 +49,8 @@ impl RedisUrl {
         }
     }
 
-    /// One `redis://` URL per node, credentials and database included.
+    /// One `redis://` (or `rediss://`) URL per node, credentials and database included; the
+    /// TLS files are not in it: [`clients`](Self::clients) adds them.
     pub fn node_urls(&self) -> Vec<String> {
         use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
         let enc = |s: &str| utf8_percent_encode(s, NON_ALPHANUMERIC).to_string();
@@ -47,13 +62,80 @@ impl RedisUrl {
         };
         self.nodes
             .iter()
-            .map(|n| format!("redis://{creds}{n}/{}", self.db))
+            .map(|n| format!("{scheme}://{creds}{n}/{}", self.db, scheme = self.scheme()))
             .collect()
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.tls {
+            "rediss"
+        } else {
+            "redis"
+        }
+    }
+
+    /// One `redis` crate client per node, with the URL's TLS settings (CA, client
+    /// certificate): how tools that talk to the nodes directly (diagnostics, benchmarks)
+    /// connect exactly as the engine does.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) when a TLS file cannot be
+    /// read or holds no PEM certificate or key; the message names the file, never its
+    /// contents.
+    pub fn clients(&self) -> Result<Vec<redis::Client>> {
+        let tls = self.tls_files()?;
+        if tls.is_some() {
+            crate::core::tls::ensure_provider();
+        }
+        self.nodes
+            .iter()
+            .zip(self.node_urls())
+            .map(|(node, url)| {
+                match &tls {
+                    None => redis::Client::open(url.as_str())
+                        .map_err(|e| Error::invalid(format!("node {node}: {e}"))),
+                    // The driver's PEM errors may quote a line of the file, which for the key
+                    // is secret: the message names the files' options instead.
+                    Some(certs) => redis::Client::build_with_tls(url.as_str(), certs.clone())
+                        .map_err(|_| {
+                            Error::invalid(format!(
+                                "node {node}: the files given as ca=, cert= or key= in the \
+                                 backend URL are not a PEM CA certificate, client certificate \
+                                 and private key"
+                            ))
+                        }),
+                }
+            })
+            .collect()
+    }
+
+    /// The TLS files, read once for every node.
+    fn tls_files(&self) -> Result<Option<redis::TlsCertificates>> {
+        use crate::core::tls::read_pem;
+        if !self.tls {
+            return Ok(None);
+        }
+        let root_cert = self.ca.as_deref().map(|p| read_pem(p, "ca")).transpose()?;
+        let client_tls = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read_pem(cert, "cert")?,
+                client_key: read_pem(key, "key")?,
+            }),
+            _ => None,
+        };
+        Ok(Some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }))
     }
 }
 
-/// Parses what follows `scheme://` for `redis`, `rediss` and `redlock`.
+/// Parses what follows `scheme://` for `redis`, `rediss`, `redlock` and `redlocks`.
 pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, q),
+        None => (rest, ""),
+    };
     let (authority, path) = match rest.split_once('/') {
         Some((a, p)) => (a, p),
         None => (rest, ""),
@@ -89,7 +171,38 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
         .split(',')
         .map(|h| parse_host_port(h, DEFAULT_PORT))
         .collect::<Result<Vec<_>>>()?;
-    let quorum = scheme == "redlock";
+    let quorum = matches!(scheme, "redlock" | "redlocks");
+    let tls = matches!(scheme, "rediss" | "redlocks");
+    let (mut ca, mut cert, mut key) = (None, None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match k {
+            "ca" => &mut ca,
+            "cert" => &mut cert,
+            "key" => &mut key,
+            other => {
+                return Err(Error::invalid(format!(
+                    "unknown Redis URL option {other:?}; the options are ca, cert and key"
+                )))
+            }
+        };
+        if v.is_empty() {
+            return Err(Error::invalid(format!(
+                "the Redis URL option {k:?} needs a file path"
+            )));
+        }
+        *slot = Some(PathBuf::from(decode(v, "TLS file path")?));
+    }
+    if !tls && (ca.is_some() || cert.is_some() || key.is_some()) {
+        return Err(Error::invalid(
+            "ca, cert and key are TLS options: use rediss:// (or redlocks://) to connect over TLS",
+        ));
+    }
+    if cert.is_some() != key.is_some() {
+        return Err(Error::invalid(
+            "a client certificate needs its key and a key its certificate: give both cert and key",
+        ));
+    }
     if quorum && (nodes.len() < 3 || nodes.len() % 2 == 0) {
         return Err(Error::invalid(format!(
             "redlock needs an odd number of at least 3 independent nodes, got {}",
@@ -98,17 +211,21 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
     }
     if !quorum && nodes.len() != 1 {
         return Err(Error::invalid(format!(
-            "{scheme}:// takes one node, got {}; use redlock:// for a quorum of nodes",
+            "{scheme}:// takes one node, got {}; use redlock:// (redlocks:// over TLS) for a \
+             quorum of nodes",
             nodes.len()
         )));
     }
     Ok(RedisUrl {
-        tls: scheme == "rediss",
+        tls,
         quorum,
         nodes,
         user,
         password,
         db,
+        ca,
+        cert,
+        key,
     })
 }
 
@@ -125,6 +242,7 @@ mod tests {
             db,
             quorum,
             tls,
+            ..
         }) = parse("redis", "app:p%40ss@127.0.0.1:7000/2")
         else {
             unreachable!("parse failed")
@@ -164,6 +282,24 @@ mod tests {
     }
 
     #[test]
+    fn tls_urls() {
+        let Ok(url) = parse(
+            "redlocks",
+            "a:1,b:2,c:3/1?ca=/c%20a.pem&cert=/c.pem&key=/k.pem",
+        ) else {
+            unreachable!("parse failed")
+        };
+        assert!(url.tls && url.quorum);
+        assert_eq!(url.ca, Some("/c a.pem".into()));
+        assert_eq!((url.cert.is_some(), url.key.is_some()), (true, true));
+        assert_eq!(url.node_urls()[0], "rediss://a:1/1");
+        let Ok(url) = parse("rediss", "h:6380") else {
+            unreachable!("parse failed")
+        };
+        assert!(url.tls && !url.quorum && url.ca.is_none());
+    }
+
+    #[test]
     fn bad_urls_are_invalid_input() {
         for (scheme, rest) in [
             ("redis", "h:0"),
@@ -173,6 +309,12 @@ mod tests {
             ("redlock", "a:1,b:2,c:3,d:4"),
             ("redis", "h:1/x"),
             ("redis", ":1"),
+            ("redis", "h:1?ca=/x"),
+            ("rediss", "h:1?cert=/c"),
+            ("rediss", "h:1?key=/k"),
+            ("rediss", "h:1?ca="),
+            ("rediss", "h:1?pin=/x"),
+            ("redlocks", "a:1,b:2"),
         ] {
             let e = parse(scheme, rest).expect_err(rest);
             assert_eq!(
