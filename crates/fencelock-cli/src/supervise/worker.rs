@@ -348,6 +348,10 @@ impl Worker {
                 Some(ToWorker::Deadline(ns)) if !self.fired => self.deadline = ns,
                 Some(ToWorker::Signal(s)) => self.forward(s),
                 Some(ToWorker::Terminate) => {
+                    // fencelock saw the loss and acts on it: the command gets the full
+                    // --kill-after, and the switch, there for a fencelock that cannot act,
+                    // stands down.
+                    self.fired = true;
                     self.terminate(monotonic_ns().saturating_add(self.kill_after));
                 }
                 _ => {}
