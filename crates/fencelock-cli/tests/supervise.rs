@@ -7,7 +7,6 @@
 mod common;
 
 use std::path::Path;
-use std::time::Duration;
 
 use common::{poll_until, stop_outside_write_lock, wait_for_line, BinCommand, Sandbox, FINISH};
 use fencelock_testkit::RedisServer;
