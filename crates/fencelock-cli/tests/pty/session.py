@@ -32,7 +32,10 @@ def expect(pattern, timeout=15):
         left = end - time.time()
         r = select.select([fd], [], [], max(0, left))[0] if left > 0 else []
         if not r:
-            sys.exit("timed out waiting for %r; the terminal showed:\n%s" % (pattern, log.decode(errors="replace")))
+            ps = subprocess.run(["ps", "-o", "pid,ppid,pgid,tpgid,stat,args", "--forest", "-s", str(os.getsid(pid))],
+                                capture_output=True, text=True).stdout
+            sys.exit("timed out waiting for %r; the terminal showed:\n%s\nprocesses:\n%s"
+                     % (pattern, log.decode(errors="replace"), ps))
         data = os.read(fd, 4096)
         buf += data
         log += data
@@ -96,7 +99,9 @@ expect("PROMPT> ")
 
 # 3. Stopped past the TTL: the command is gone before another holder gets the lock, and fg
 #    resumes nothing but fencelock's exit 79.
-send(fencelock + " run --ttl 1s --kill-after 200ms x -- sh -c "
+# bash, not dash: dash vforks, and a vforked child stopped before it execs leaves dash in an
+# unstoppable wait, so the job would never stop as a whole (as it would not without fencelock).
+send(fencelock + " run --ttl 1s --kill-after 200ms x -- bash -c "
      "'while :; do date +%s%N >> A; sleep 0.02; done'\n")
 deadline = time.time() + 10
 while not (os.path.exists("A") and os.path.getsize("A") > 0):
