@@ -283,6 +283,9 @@ impl Session {
                         }
                     }
                     Some(Some(ToParent::DeadlineFired)) => {
+                        if !terminating {
+                            report_loss(lease).await;
+                        }
                         lost = true;
                         terminating = true;
                     }
@@ -301,11 +304,7 @@ impl Session {
                     }
                 }
                 _ = lease.lost(), if !terminating => {
-                    let e = lease.run(std::future::pending::<()>()).await.err();
-                    eprintln!(
-                        "fencelock: {}; terminating the command",
-                        e.map(|e| e.to_string()).unwrap_or_else(|| "lease lost".into())
-                    );
+                    report_loss(lease).await;
                     lost = true;
                     terminating = true;
                     out.push(ToWorker::Terminate);
@@ -401,6 +400,21 @@ fn supervisor_died(tty: Option<Terminal>, kill_after: Duration, command: Option<
             t.take_back(command);
         }
     }
+}
+
+async fn report_loss(lease: &Lease) {
+    let why = if lease.is_lost() {
+        lease.run(std::future::pending::<()>()).await.err()
+    } else {
+        None
+    };
+    eprintln!(
+        "fencelock: {}; terminating the command",
+        why.map(|e| e.to_string()).unwrap_or_else(|| format!(
+            "lease of {:?} not renewed before its validity ended",
+            lease.resource()
+        ))
+    );
 }
 
 fn millis(d: Duration) -> u64 {
