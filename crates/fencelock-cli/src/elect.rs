@@ -6,7 +6,8 @@ use anyhow::Result;
 use clap::Args;
 use fencelock::LockOptions;
 
-use crate::{connect, fail, parse_duration, run, BackendArg};
+use crate::supervise::{supervise, Supervision};
+use crate::{connect, fail, parse_duration, BackendArg};
 
 /// Waiting "forever" for leadership: long enough for any deployment, short enough that
 /// deadline arithmetic cannot overflow.
@@ -29,6 +30,13 @@ pub struct ElectArgs {
     /// After leadership is lost, how long the command gets between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub kill_after: Duration,
+    /// Release leadership when the command exits, terminating what it left running, instead
+    /// of leading until every process it started has exited.
+    #[arg(long)]
+    pub release_on_exit: bool,
+    /// Pass FENCELOCK_URL and fencelock's password variables on to the command.
+    #[arg(long)]
+    pub pass_env: bool,
     /// Client name recorded with the lease.
     #[arg(long, default_value = "fencelock-elect")]
     pub client_name: String,
@@ -76,13 +84,12 @@ pub async fn elect(args: ElectArgs) -> Result<u8> {
         args.name,
         leadership.token()
     );
-    run::supervise(
-        client,
-        leadership.into_lease(),
-        &args.command,
-        args.kill_after,
-    )
-    .await
+    let opts = Supervision {
+        kill_after: args.kill_after,
+        release_on_exit: args.release_on_exit,
+        pass_env: args.pass_env,
+    };
+    supervise(client, leadership.into_lease(), &args.command, &opts).await
 }
 
 async fn listen(election: &fencelock::Election) -> Result<u8> {

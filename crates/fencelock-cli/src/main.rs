@@ -14,6 +14,7 @@ mod elect;
 mod json;
 mod ops;
 mod run;
+mod supervise;
 
 /// Exit codes, from sysexits(3) where one fits.
 pub mod exit {
@@ -24,6 +25,9 @@ pub mod exit {
     /// The lock is held elsewhere and was not acquired within `--wait`, or a forced release
     /// was refused because its holder looks alive (EX_TEMPFAIL).
     pub const HELD: u8 = 75;
+    /// The command's supervisor could not be started or died (EX_SOFTWARE); what the command
+    /// started was killed.
+    pub const SUPERVISOR: u8 = 70;
     /// The lease was lost while the command ran; the command was terminated.
     pub const LEASE_LOST: u8 = 79;
 }
@@ -84,6 +88,10 @@ enum Command {
     /// Hidden from `--help`.
     #[command(hide = true)]
     ChaosWorker(chaos::WorkerArgs),
+    /// Internal, not a user command: the process `run` and `elect` start to be the parent of
+    /// the command and of everything it starts. Hidden from `--help`.
+    #[command(hide = true)]
+    Supervisor(supervise::WorkerArgs),
 }
 
 /// What to do when the lock is held elsewhere and `--wait` runs out.
@@ -111,6 +119,15 @@ pub struct RunArgs {
     /// After the lease is lost, how long the command gets between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub kill_after: Duration,
+    /// Release the lock when the command exits, sending what it left running SIGTERM (SIGKILL
+    /// after --kill-after) first, instead of holding it until every process it started has
+    /// exited.
+    #[arg(long)]
+    pub release_on_exit: bool,
+    /// Pass FENCELOCK_URL and fencelock's password variables on to the command (by default
+    /// it gets only FENCELOCK_TOKEN, FENCELOCK_RESOURCE and FENCELOCK_OWNER).
+    #[arg(long)]
+    pub pass_env: bool,
     /// Client name recorded with the lease (shown by `inspect`).
     #[arg(long, default_value = "fencelock-run")]
     pub client_name: String,
@@ -208,6 +225,11 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // The supervisor is single-threaded and talks to no engine: no runtime, no logging.
+    let command = match cli.command {
+        Command::Supervisor(args) => return ExitCode::from(supervise::worker(args)),
+        other => other,
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -227,7 +249,8 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        match cli.command {
+        match command {
+            Command::Supervisor(_) => Ok(exit::SUPERVISOR),
             Command::Run(args) => run::run(args).await,
             Command::Elect(args) => elect::elect(args).await,
             Command::Inspect(args) => ops::inspect(args).await,

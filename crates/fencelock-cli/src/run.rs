@@ -1,18 +1,12 @@
 //! `fencelock run`: hold a lock while a command runs.
 
 use std::net::SocketAddr;
-use std::os::unix::process::ExitStatusExt;
-use std::process::ExitStatus;
-use std::time::Duration;
 
 use anyhow::Result;
-use fencelock::{metrics, Client, ErrorKind, Lease, LockOptions};
+use fencelock::{metrics, ErrorKind, LockOptions};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use nix::sys::signal::{killpg, Signal};
-use nix::unistd::Pid;
-use tokio::process::{Child, Command};
-use tokio::signal::unix::{signal, SignalKind};
 
+use crate::supervise::{supervise, Supervision};
 use crate::{connect, exit, fail, Exit, IfHeld, RunArgs};
 
 pub async fn run(args: RunArgs) -> Result<u8> {
@@ -39,66 +33,12 @@ pub async fn run(args: RunArgs) -> Result<u8> {
         Err(e) => return Err(fail(e)),
     };
 
-    supervise(client, lease, &args.command, args.kill_after).await
-}
-
-/// Runs `command` under `lease` (`FENCELOCK_TOKEN`, `FENCELOCK_RESOURCE`, `FENCELOCK_OWNER`
-/// set) in its own process group, forwarding SIGINT and SIGTERM. When the lease is lost, the
-/// command gets SIGTERM, then SIGKILL after `kill_after`, and the exit code is 79; otherwise
-/// the lease is released when the command ends and its status is returned.
-pub async fn supervise(
-    client: Client,
-    lease: Lease,
-    command: &[String],
-    kill_after: Duration,
-) -> Result<u8> {
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut child = match Command::new(&command[0])
-        .args(&command[1..])
-        .env("FENCELOCK_TOKEN", lease.token().to_string())
-        .env("FENCELOCK_RESOURCE", lease.resource())
-        .env("FENCELOCK_OWNER", lease.owner())
-        // Its own process group, so that on loss the whole job (shell and children) is stopped.
-        .process_group(0)
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("fencelock: cannot start {:?}: {e}", command[0]);
-            let _ = lease.release().await;
-            client.close().await;
-            return Ok(if e.kind() == std::io::ErrorKind::NotFound {
-                127
-            } else {
-                126
-            });
-        }
+    let opts = Supervision {
+        kill_after: args.kill_after,
+        release_on_exit: args.release_on_exit,
+        pass_env: args.pass_env,
     };
-    let pgid = child.id().map(|id| Pid::from_raw(id as i32));
-
-    let status = loop {
-        tokio::select! {
-            status = child.wait() => break status?,
-            _ = sigint.recv() => forward(pgid, Signal::SIGINT),
-            _ = sigterm.recv() => forward(pgid, Signal::SIGTERM),
-            _ = lease.lost() => {
-                let e = lease.run(std::future::pending::<()>()).await.err();
-                eprintln!(
-                    "fencelock: {}; terminating the command",
-                    e.map(|e| e.to_string()).unwrap_or_else(|| "lease lost".into())
-                );
-                terminate(&mut child, pgid, kill_after).await;
-                client.close().await;
-                return Ok(exit::LEASE_LOST);
-            }
-        }
-    };
-    if let Err(e) = lease.release().await {
-        eprintln!("fencelock: warning: {e}");
-    }
-    client.close().await;
-    Ok(status_code(status))
+    supervise(client, lease, &args.command, &opts).await
 }
 
 /// Serves the process's metrics in Prometheus text format on `addr` (any path) until exit.
@@ -123,30 +63,4 @@ pub fn serve_metrics(addr: SocketAddr) -> Result<()> {
         })?;
     metrics::describe();
     Ok(())
-}
-
-fn forward(pgid: Option<Pid>, sig: Signal) {
-    if let Some(pgid) = pgid {
-        let _ = killpg(pgid, sig);
-    }
-}
-
-/// SIGTERM to the command's group, SIGKILL after the grace period. SIGCONT follows SIGTERM
-/// because a stopped process would otherwise never act on it.
-async fn terminate(child: &mut Child, pgid: Option<Pid>, grace: Duration) {
-    forward(pgid, Signal::SIGTERM);
-    forward(pgid, Signal::SIGCONT);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        forward(pgid, Signal::SIGKILL);
-        let _ = child.wait().await;
-    }
-}
-
-/// The status a shell would report: the exit code, or 128 + the signal that killed it.
-fn status_code(status: ExitStatus) -> u8 {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => u8::try_from(code).unwrap_or(1),
-        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(255),
-        (None, None) => 1,
-    }
 }

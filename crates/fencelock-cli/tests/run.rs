@@ -120,10 +120,11 @@ fn waiting_runs_take_turns_with_increasing_tokens() {
     assert!(token > highest, "later token {token} <= {highest}");
 }
 
-/// A holder frozen (with its command) past its TTL loses the lock to another run, which gets
-/// a greater token; once resumed it terminates its command and exits 79.
+/// A holder frozen (with its command) past its TTL: its supervisor kills the command before
+/// the lease's validity ends, so that another run gets a greater token with nothing of the
+/// first still alive; once resumed, the first exits 79.
 #[test]
-fn stopped_holder_is_fenced_and_its_command_terminated_on_resume() {
+fn stopped_holder_is_fenced_and_its_command_killed_before_expiry() {
     let sb = Sandbox::new();
     let mut first = sb.spawn(sb.run_sh(
         &["--ttl", "1s"],
@@ -149,8 +150,12 @@ fn stopped_holder_is_fenced_and_its_command_terminated_on_resume() {
     assert_eq!(second.code(), Some(0), "{second:?}");
     let tok2 = parse_number(&std::fs::read_to_string(sb.path("tok2")).unwrap());
     assert!(tok2 > tok1, "token {tok2} after expiry is not above {tok1}");
+    assert_eq!(
+        kill(command, None),
+        Err(Errno::ESRCH),
+        "the first command was alive when the second run got the lock"
+    );
 
-    killpg(command, Signal::SIGCONT).unwrap();
     let resumed = Instant::now();
     kill(first.pid(), Signal::SIGCONT).unwrap();
     let out = first.wait(Duration::from_secs(5)).unwrap();
@@ -161,17 +166,11 @@ fn stopped_holder_is_fenced_and_its_command_terminated_on_resume() {
         "took {:?}",
         resumed.elapsed()
     );
-    // fencelock reaped its command before exiting: nothing is left of it.
-    assert_eq!(
-        kill(command, None),
-        Err(Errno::ESRCH),
-        "the command survived"
-    );
     assert_eq!(sb.inspect("frozen"), "frozen: free");
 }
 
-/// On lease loss, a command that ignores SIGTERM is killed with SIGKILL once `--kill-after`
-/// has passed, and fencelock still exits 79.
+/// On lease loss (here a forced release while fencelock runs), a command that ignores
+/// SIGTERM is killed with SIGKILL once `--kill-after` has passed, and fencelock still exits 79.
 #[test]
 fn command_ignoring_sigterm_is_killed_after_the_grace_period() {
     let sb = Sandbox::new();
@@ -185,19 +184,24 @@ fn command_ignoring_sigterm_is_killed_after_the_grace_period() {
     let command = Pid::from_raw(i32::try_from(parse_number(&command)).unwrap());
     first.adopt_group(command);
 
-    // Only fencelock is frozen: the command keeps running, unrenewed.
-    stop_outside_write_lock(first.pid());
-    let second = sb.run(sb.run_sh(&["--wait", "10s"], "stubborn", "true"));
-    assert_eq!(second.code(), Some(0), "{second:?}");
-
-    let resumed = Instant::now();
-    kill(first.pid(), Signal::SIGCONT).unwrap();
+    let forced = Instant::now();
+    let out = sb.run(sb.fencelock(
+        "release",
+        &[
+            "--force",
+            "stubborn",
+            "--reason",
+            "test",
+            "--holder-is-dead",
+        ],
+    ));
+    assert_eq!(out.code(), Some(0), "{out:?}");
     let out = first.wait(Duration::from_secs(6)).unwrap();
     assert_eq!(out.code(), Some(LEASE_LOST), "{out:?}");
     assert!(
-        resumed.elapsed() >= Duration::from_secs(1),
+        forced.elapsed() >= Duration::from_secs(1),
         "SIGKILL came before the grace period ended: {:?}",
-        resumed.elapsed()
+        forced.elapsed()
     );
     assert_eq!(
         kill(command, None),
