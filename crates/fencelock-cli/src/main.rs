@@ -117,10 +117,10 @@ pub struct RunArgs {
     /// Wait in FIFO order behind earlier waiters (Redis engines; etcd always does).
     #[arg(long)]
     pub fair: bool,
-    /// Serve metrics in Prometheus text format on this address (e.g. 127.0.0.1:9464) while
-    /// the command runs.
+    /// Serve metrics in Prometheus text format on this address (127.0.0.1:9464,
+    /// localhost:9464; port 0 takes a free port and prints it) while the command runs.
     #[arg(long, value_name = "ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub metrics_addr: Option<String>,
     /// Resource name (1-256 bytes, no control characters).
     pub name: String,
     /// The command and its arguments.

@@ -404,3 +404,167 @@ fn release_needs_force_and_a_reason() {
     std::fs::write(sb.path("release"), "").unwrap();
     assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
 }
+
+/// Bad input of every kind exits 64 with a message, before any lock is taken: overflowing
+/// durations a parser cannot represent, a Redlock URL naming one node twice (spelled alike or
+/// resolving alike), a client name with a control character, an empty prefix (flag or
+/// environment), and a `sqlite://` URL with a query or a fragment.
+#[test]
+fn bad_input_exits_64_and_holds_nothing() {
+    let sb = Sandbox::new();
+    let url = sb.url().to_owned();
+    let cases: [(&[&str], &str); 9] = [
+        (&["--wait", "99999999999999999999999s"], "is not a duration"),
+        (
+            &["--kill-after", "99999999999999999999999y"],
+            "is not a duration",
+        ),
+        (&["--client-name", "a\nb"], "control characters"),
+        (&["--client-name", "\u{1b}[2J"], "control characters"),
+        (&["--prefix", ""], "prefix is empty"),
+        (
+            &[
+                "--backend",
+                "redlock://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7001",
+            ],
+            "twice",
+        ),
+        (
+            &[
+                "--backend",
+                "redlock://127.0.0.1:7001,localhost:7001,127.0.0.2:7001",
+            ],
+            "same server",
+        ),
+        (&["--backend", "sqlite:///tmp/q.db?foo=bar"], "query"),
+        (&["--backend", "sqlite:///tmp/q.db#frag"], "fragment"),
+    ];
+    for (opts, says) in cases {
+        let mut cmd = sb.bare();
+        cmd.arg("run");
+        if !opts.contains(&"--backend") {
+            cmd.arg("--backend").arg(&url);
+        }
+        cmd.args(opts).args(["x", "--", "touch", "ran"]);
+        let out = sb.run(cmd);
+        assert_eq!(out.code(), Some(USAGE), "{opts:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{opts:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{opts:?}: {}", out.stderr);
+        assert!(!sb.path("ran").exists(), "{opts:?} ran the command");
+    }
+    assert!(!std::path::Path::new("/tmp/q.db?foo=bar").exists());
+    let mut cmd = sb.bare();
+    cmd.env("FENCELOCK_PREFIX", "").args(["key", "x"]);
+    let out = sb.run(cmd);
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+    assert_eq!(sb.inspect("x"), "x: free");
+}
+
+/// Durations beyond any deadline (`300000000000y`, `u64::MAX` seconds) are taken as "wait for
+/// ever" and "never kill early": the command runs and the lock is released, without a panic.
+#[test]
+fn huge_durations_saturate_without_a_panic() {
+    let sb = Sandbox::new();
+    for opts in [
+        ["--wait", "300000000000y"],
+        ["--wait", "18446744073709551615s"],
+        ["--kill-after", "300000000000y"],
+        ["--kill-after", "18446744073709551615s"],
+    ] {
+        let out = sb.run(run_on(&sb, sb.url(), &opts, "huge", "true"));
+        assert_eq!(out.code(), Some(0), "{opts:?}: {out:?}");
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    }
+    let out = sb.run(run_on(
+        &sb,
+        sb.url(),
+        &["--ttl", "18446744073709551615s"],
+        "huge",
+        "true",
+    ));
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+    assert_eq!(sb.inspect("huge"), "huge: free");
+}
+
+/// A lock taken by another client with `SET key value NX PX` and a value holding a newline and
+/// a terminal escape is shown escaped by `inspect`, `list` and the "held by" message, so it
+/// cannot forge a line of output or drive the terminal.
+#[test]
+fn holder_fields_written_by_others_are_escaped() {
+    let sb = Sandbox::new();
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let keys = ok(&sb, on(&sb, &url, "key", &["forged"]));
+    let lock_key = keys
+        .lines()
+        .find_map(|l| l.strip_prefix("lock\t"))
+        .unwrap()
+        .to_owned();
+    let value = "evil\nforged: free\u{1b}[2J";
+    let set = server
+        .cli(&["SET", &lock_key, value, "NX", "PX", "60000"])
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+    let shown = ok(&sb, on(&sb, &url, "inspect", &["forged"]));
+    let listed = ok(&sb, on(&sb, &url, "list", &[]));
+    let held = sb.run(run_on(&sb, &url, &[], "forged", "true"));
+    assert_eq!(held.code(), Some(HELD), "{held:?}");
+    for text in [&shown, &listed, &held.stderr] {
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(
+            !text.lines().any(|l| l.starts_with("forged: free")),
+            "{text:?}"
+        );
+    }
+    assert!(
+        shown.contains("evil\\u{a}forged: free\\u{1b}[2J"),
+        "{shown}"
+    );
+}
+
+/// `--metrics-addr localhost:0` listens on loopback, prints the port it took, and serves the
+/// metrics there while the command runs.
+#[test]
+fn metrics_on_localhost_port_zero_prints_the_address() {
+    let sb = Sandbox::new();
+    let mut holder = sb.spawn(run_on(
+        &sb,
+        sb.url(),
+        &["--metrics-addr", "localhost:0"],
+        "metered",
+        &format!("touch started; {WAIT_FOR_RELEASE}"),
+    ));
+    let mut line = String::new();
+    let printed = poll_until(FINISH, || {
+        line = holder
+            .stderr()
+            .lines()
+            .find(|l| l.contains("serving metrics on http://127.0.0.1:"))
+            .unwrap_or_default()
+            .to_owned();
+        !line.is_empty()
+    });
+    assert!(printed, "{}", holder.stderr());
+    // The acquisition is recorded before the command starts.
+    assert!(poll_until(FINISH, || sb.path("started").exists()));
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap()
+        .to_owned();
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    use std::io::{Read, Write};
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.0 200"), "{body}");
+    assert!(body.contains("fencelock_"), "{body}");
+    std::fs::write(sb.path("release"), "").unwrap();
+    assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
+}

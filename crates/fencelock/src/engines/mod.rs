@@ -123,7 +123,14 @@ pub(crate) async fn open(url: &str, cfg: &EngineConfig) -> Result<Opened> {
         #[cfg(feature = "sqlite")]
         Backend::Sqlite(u) => sqlite::open(u, cfg).await,
         #[cfg(feature = "redis")]
-        Backend::Redis(u) => redis::open(u, cfg).await,
+        Backend::Redis(u) => {
+            // Two names of one server would count its vote twice; the URL check sees only
+            // identical spellings.
+            if u.quorum {
+                crate::core::url::distinct_addresses(&u.nodes, cfg.op_timeout).await?;
+            }
+            redis::open(u, cfg).await
+        }
         #[cfg(feature = "postgres")]
         Backend::Postgres(u) => postgres::open(u, cfg).await,
         #[cfg(feature = "etcd")]

@@ -2,7 +2,7 @@
 //! `SCHEME://[user:password@]host:port[,host:port...][/db]`.
 
 use crate::core::error::{Error, Result};
-use crate::core::url::{decode, parse_host_port, HostPort};
+use crate::core::url::{decode, distinct_nodes, parse_host_port, HostPort};
 
 /// Redis' port, used for nodes written without one.
 const DEFAULT_PORT: u16 = 6379;
@@ -96,6 +96,9 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
             nodes.len()
         )));
     }
+    if quorum {
+        distinct_nodes(&nodes)?;
+    }
     if !quorum && nodes.len() != 1 {
         return Err(Error::invalid(format!(
             "{scheme}:// takes one node, got {}; use redlock:// for a quorum of nodes",
@@ -173,6 +176,7 @@ mod tests {
             ("redlock", "a:1,b:2,c:3,d:4"),
             ("redis", "h:1/x"),
             ("redis", ":1"),
+            ("redlock", "a:1,b:2,a:1"),
         ] {
             let e = parse(scheme, rest).expect_err(rest);
             assert_eq!(
