@@ -333,3 +333,48 @@ async fn a_dropped_advisory_lease_is_unlocked_after_its_ttl() {
     assert!(next.token() > token);
     next.release().await.unwrap();
 }
+
+/// PostgreSQL's own words reach the user: a wrong password, an unknown database or role, a
+/// missing privilege and a refused connection each say what the server (or the socket) said,
+/// not "db error: db error".
+#[tokio::test]
+async fn engine_errors_carry_the_servers_message() {
+    let server = PgServer::start().unwrap();
+    let pw_url = server.add_password_role("pw", "right").unwrap();
+    let port = server.port();
+    let with_password = pw_url.replace("pw@", "pw:wrong@");
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        drop(l);
+        p
+    };
+    let cases = [
+        (with_password, "password authentication failed"),
+        (
+            format!("postgres://postgres@127.0.0.1:{port}/nosuchdb"),
+            "database \"nosuchdb\" does not exist",
+        ),
+        (
+            format!("postgres://nosuchrole@127.0.0.1:{port}/postgres"),
+            "role \"nosuchrole\" does not exist",
+        ),
+        (
+            format!("postgres://postgres@127.0.0.1:{closed}/postgres"),
+            "Connection refused",
+        ),
+    ];
+    for (url, says) in cases {
+        let e = timeout(LIMIT, Client::connect(&url)).await.unwrap().err();
+        let text = e.as_ref().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains(says), "{url}: {text}");
+        assert!(!text.contains("db error"), "{url}: {text}");
+        assert!(!text.contains("wrong"), "the password leaked: {text}");
+    }
+    // A role that may connect but not create fencelock's tables in the public schema.
+    query(&server, "REVOKE CREATE ON SCHEMA public FROM PUBLIC");
+    let right = pw_url.replace("pw@", "pw:right@");
+    let e = timeout(LIMIT, Client::connect(&right)).await.unwrap().err();
+    let text = e.as_ref().map(|e| e.to_string()).unwrap_or_default();
+    assert!(text.contains("permission denied"), "{text}");
+}

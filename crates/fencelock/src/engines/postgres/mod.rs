@@ -287,7 +287,39 @@ fn pg_error(kind: &'static str, what: &str, e: tokio_postgres::Error) -> Error {
     } else {
         ""
     };
-    Error::engine_failure(kind, format!("{what}{hint}: {e}")).with_source(e)
+    Error::engine_failure(kind, format!("{what}{hint}: {}", server_says(&e)))
+}
+
+/// What the server (or the socket) said. `tokio_postgres::Error` displays as "db error" for
+/// every server error and keeps the message in its source, so the message, SQLSTATE, detail
+/// and hint are taken from there; other errors are shown with their chain of causes
+/// ("error connecting to server: Connection refused").
+fn server_says(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut out = format!(
+            "{} {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+        if let Some(detail) = db.detail() {
+            out.push_str(&format!("; {detail}"));
+        }
+        if let Some(hint) = db.hint() {
+            out.push_str(&format!("; hint: {hint}"));
+        }
+        return out;
+    }
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(&format!(": {text}"));
+        }
+        source = s.source();
+    }
+    out
 }
 
 /// Waits for `fut` at most `limit`, so that no statement of either mode outlives its
