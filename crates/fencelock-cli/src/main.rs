@@ -190,10 +190,16 @@ pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> 
         .map_err(fail)
 }
 
+/// Prints the keys from the URL alone: `key` must answer while the engine is down, which is
+/// when an operator needs the keys most.
 async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
     fencelock::validate_name(name).map_err(fail)?;
-    let client = connect(backend, "fencelock-key").await?;
-    for (label, key) in client.keys_for(name).map_err(fail)? {
+    let url = match &backend.backend {
+        Some(u) => u.clone(),
+        None => fencelock::default_url().map_err(fail)?,
+    };
+    let parsed = fencelock::Backend::parse(&url).map_err(fail)?;
+    for (label, key) in parsed.keys(&backend.prefix, name).map_err(fail)? {
         println!("{label}\t{key}");
     }
     Ok(0)

@@ -568,3 +568,32 @@ fn metrics_on_localhost_port_zero_prints_the_address() {
     std::fs::write(sb.path("release"), "").unwrap();
     assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
 }
+
+/// `fencelock key` computes keys from the URL alone: it answers for engines that are down,
+/// and what it prints for a live Redis is what the connected client uses.
+#[test]
+fn key_answers_without_connecting() {
+    let sb = Sandbox::new();
+    let server = RedisServer::start().unwrap();
+    let live = ok(&sb, on(&sb, &server.url(), "key", &["invoices"]));
+    let down = ok(&sb, on(&sb, "redis://127.0.0.1:1", "key", &["invoices"]));
+    assert_eq!(live, down);
+    assert!(live.lines().any(|l| l.starts_with("lock\t")), "{live}");
+    let pg = ok(
+        &sb,
+        on(&sb, "postgres://u@127.0.0.1:1/db", "key", &["invoices"]),
+    );
+    assert!(pg.lines().any(|l| l.starts_with("advisory\t")), "{pg}");
+    let lease = ok(
+        &sb,
+        on(
+            &sb,
+            "postgres://u@127.0.0.1:1/db?mode=lease",
+            "key",
+            &["invoices"],
+        ),
+    );
+    assert_eq!(lease, "row\tfencelock_leases.key = fencelock:v1:invoices\n");
+    let out = sb.run(on(&sb, "redis://127.0.0.1:1", "key", &["a\nb"]));
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+}

@@ -83,6 +83,29 @@ impl Backend {
         }
     }
 
+    /// The engine keys a resource name maps to under `prefix`, labelled (`lock`, `fence`,
+    /// `advisory`, ...), exactly as [`Client::keys_for`] gives them, but computed from the URL
+    /// alone: nothing is opened or contacted.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for an invalid name or
+    /// prefix.
+    pub fn keys(&self, prefix: &str, name: &str) -> Result<Vec<(&'static str, String)>> {
+        crate::core::name::validate_name(name)?;
+        Client::builder("").prefix(prefix).config()?;
+        let _ = (prefix, name);
+        Ok(match *self {
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(_) => sqlite::labelled_keys(prefix, name),
+            #[cfg(feature = "redis")]
+            Backend::Redis(_) => redis::labelled_keys(prefix, name),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(ref u) => postgres::labelled_keys(u.mode, prefix, name),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => etcd::labelled_keys(prefix, name),
+        })
+    }
+
     /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`
     /// or `etcd`.
     pub fn engine(&self) -> &'static str {

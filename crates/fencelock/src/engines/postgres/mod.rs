@@ -167,6 +167,21 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
 
 /// The advisory lock key of a resource: the first 8 bytes of SHA-256(prefix ‖ name) as a
 /// big-endian signed integer.
+/// The labelled keys of `name` under `prefix` in `mode`, as [`Engine::keys`] gives them,
+/// without a connection.
+pub(crate) fn labelled_keys(mode: PgMode, prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    match mode {
+        PgMode::Advisory => vec![
+            ("advisory", advisory_key(prefix, name).to_string()),
+            (
+                "token row",
+                format!("fencelock_tokens.key = {prefix}{name}"),
+            ),
+        ],
+        PgMode::Lease => vec![("row", format!("fencelock_leases.key = {prefix}{name}"))],
+    }
+}
+
 pub(crate) fn advisory_key(prefix: &str, name: &str) -> i64 {
     let digest = Sha256::new()
         .chain_update(prefix.as_bytes())

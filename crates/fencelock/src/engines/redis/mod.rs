@@ -116,6 +116,12 @@ impl Drop for RedisEngine {
     }
 }
 
+/// The labelled keys of `name` under `prefix`, as [`Engine::keys`] gives them, without a
+/// connection: `fencelock key` prints them for an engine it does not open.
+pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    Keys::new(prefix, name).labelled()
+}
+
 impl RedisEngine {
     fn keys(&self, name: &str) -> Keys {
         Keys::new(&self.prefix, name)
@@ -146,7 +152,7 @@ impl Engine for RedisEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        self.keys(name).labelled()
+        labelled_keys(&self.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

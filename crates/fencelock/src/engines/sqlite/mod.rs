@@ -112,6 +112,12 @@ fn current_boot_id() -> String {
         .unwrap_or_else(|_| "unknown-boot".to_owned())
 }
 
+/// The labelled keys of `name` under `prefix`, as the engine gives them, without opening the
+/// file.
+pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    vec![("row", format!("{prefix}{name}"))]
+}
+
 impl SqlRow for rusqlite::Row<'_> {
     type Error = rusqlite::Error;
     fn text(&self, i: usize) -> rusqlite::Result<String> {
@@ -348,7 +354,7 @@ impl Engine for SqliteEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![("row", self.key(name))]
+        labelled_keys(&self.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
