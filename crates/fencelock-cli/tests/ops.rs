@@ -597,3 +597,28 @@ fn key_answers_without_connecting() {
     let out = sb.run(on(&sb, "redis://127.0.0.1:1", "key", &["a\nb"]));
     assert_eq!(out.code(), Some(USAGE), "{out:?}");
 }
+
+/// The default state directory is created 0700 and its SQLite file 0600; a file named by the
+/// URL gets the mode the user's umask gives any new file.
+#[test]
+fn default_state_is_private_and_a_named_file_keeps_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let sb = Sandbox::new();
+    let mut cmd = sb.bare();
+    cmd.args(["run", "x", "--", "true"]);
+    assert_eq!(sb.run(cmd).code(), Some(0));
+    let dir = sb.path("state/fencelock");
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("locks.db")), 0o600);
+    for side in ["locks.db-wal", "locks.db-shm"] {
+        if dir.join(side).exists() {
+            assert_eq!(mode(&dir.join(side)) & 0o077, 0, "{side}");
+        }
+    }
+
+    let out = sb.run(run_on(&sb, sb.url(), &[], "x", "true"));
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    std::fs::write(sb.path("plain"), "").unwrap();
+    assert_eq!(mode(&sb.path("locks.db")), mode(&sb.path("plain")));
+}
