@@ -173,12 +173,18 @@ async fn run(
     seconds: u64,
 ) -> Result<f64, String> {
     let threads = clients.min(2);
-    let child = tokio::process::Command::new(bin)
+    // The password goes through the environment, never pgbench's argv, where `ps` shows it.
+    let (url, password) = split_password(url);
+    let mut cmd = tokio::process::Command::new(bin);
+    if let Some(p) = password {
+        cmd.env("PGPASSWORD", p);
+    }
+    let child = cmd
         .args(["-n", "-M", protocol, "-T", &seconds.to_string()])
         .args(["-c", &clients.to_string(), "-j", &threads.to_string()])
         .arg("-f")
         .arg(script)
-        .arg(url)
+        .arg(&url)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -211,6 +217,25 @@ fn parse_tps(output: &str) -> Option<f64> {
         .find_map(|rest| rest.split_whitespace().next()?.parse().ok())
 }
 
+/// `url` without its password, and the password (percent-decoded) if it had one.
+fn split_password(url: &str) -> (String, Option<String>) {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return (url.to_owned(), None);
+    };
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let Some((creds, hosts)) = authority.rsplit_once('@') else {
+        return (url.to_owned(), None);
+    };
+    let Some((user, password)) = creds.split_once(':') else {
+        return (url.to_owned(), None);
+    };
+    let password = percent_encoding::percent_decode_str(password)
+        .decode_utf8_lossy()
+        .into_owned();
+    (format!("{scheme}://{user}@{hosts}{tail}"), Some(password))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -222,5 +247,17 @@ mod tests {
                    tps = 4871.532921 (without initial connection time)\n";
         assert_eq!(parse_tps(out), Some(4871.532921));
         assert_eq!(parse_tps("nothing"), None);
+    }
+
+    #[test]
+    fn the_password_leaves_the_url() {
+        assert_eq!(
+            super::split_password("postgres://u:p%40s@h:5/db?x=1"),
+            ("postgres://u@h:5/db?x=1".to_owned(), Some("p@s".to_owned()))
+        );
+        assert_eq!(
+            super::split_password("postgres://u@h/db"),
+            ("postgres://u@h/db".to_owned(), None)
+        );
     }
 }

@@ -66,8 +66,14 @@ impl Reference {
         if let Some(u) = &t.user {
             args.extend(["--user".to_owned(), u.clone()]);
         }
-        if let Some(p) = &t.password {
-            args.extend(["-a".to_owned(), p.clone()]);
+        if t.password.is_some() {
+            // redis-benchmark takes a password only on its command line (`-a`, `-u`), where
+            // `ps` shows it to every user of the machine, and reads no environment variable.
+            return Err(
+                "skipped: the server needs a password and redis-benchmark would show it in \
+                 its argv"
+                    .to_owned(),
+            );
         }
         if t.db != 0 {
             args.extend(["--dbnum".to_owned(), t.db.to_string()]);

@@ -181,3 +181,64 @@ fn bench_measures_pgbench_reference_in_the_same_run() {
         assert!(json.contains(field), "{field} missing from {json}");
     }
 }
+
+/// Runs the quick bench on `url` with the password in `$FENCELOCK_PASSWORD`, sampling every
+/// process's argv (`ps -eo args`) while it runs: the password must appear in none.
+fn bench_keeps_the_password_out_of_argv(url: &str, password: &str) -> Finished {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("bench.out"), dir.path().join("bench.err"));
+    let mut proc = fencelock_testkit::BinCommand::new(env!("CARGO_BIN_EXE_fencelock-bench"))
+        .args(["--backend", url, "--quick", "--seconds", "1"])
+        .env("FENCELOCK_PASSWORD", password)
+        .output_to(&out, &err)
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut samples = 0;
+    while !proc.exited() && started.elapsed() < common::LIMIT {
+        let ps = Command::new("ps")
+            .args(["-eo", "args"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&ps.stdout);
+        assert!(
+            !text.contains(password),
+            "a process shows the password:\n{text}"
+        );
+        samples += 1;
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(samples > 10, "only {samples} samples");
+    proc.wait(common::LIMIT).unwrap()
+}
+
+#[test]
+fn bench_on_password_protected_redis_and_postgres_shows_no_password() {
+    let password = "Sekr3tPassw0rdXyz";
+    let redis = RedisServer::start().unwrap();
+    let set = redis
+        .cli(&["CONFIG", "SET", "requirepass", password])
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+    let out = bench_keeps_the_password_out_of_argv(&redis.url(), password);
+    assert_sections(&out);
+    assert!(
+        out.stdout.contains("redis-benchmark would show it"),
+        "{}",
+        out.stdout
+    );
+
+    let pg = PgServer::start().unwrap();
+    let url = pg.add_password_role("benchpw", password).unwrap();
+    let su = pg.psql("ALTER ROLE benchpw SUPERUSER").unwrap();
+    assert!(su.status.success(), "{su:?}");
+    let out = bench_keeps_the_password_out_of_argv(&url, password);
+    assert_sections(&out);
+    assert!(out.stdout.contains("pgbench"), "{}", out.stdout);
+    assert!(
+        !out.stdout.contains("pgbench  1 client(s): failed"),
+        "{}",
+        out.stdout
+    );
+}

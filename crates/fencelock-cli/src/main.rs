@@ -134,10 +134,10 @@ pub struct RunArgs {
     /// Wait in FIFO order behind earlier waiters (Redis engines; etcd always does).
     #[arg(long)]
     pub fair: bool,
-    /// Serve metrics in Prometheus text format on this address (e.g. 127.0.0.1:9464) while
-    /// the command runs.
+    /// Serve metrics in Prometheus text format on this address (127.0.0.1:9464,
+    /// localhost:9464; port 0 takes a free port and prints it) while the command runs.
     #[arg(long, value_name = "ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub metrics_addr: Option<String>,
     /// Resource name (1-256 bytes, no control characters).
     pub name: String,
     /// The command and its arguments.
@@ -207,10 +207,16 @@ pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> 
         .map_err(fail)
 }
 
+/// Prints the keys from the URL alone: `key` must answer while the engine is down, which is
+/// when an operator needs the keys most.
 async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
     fencelock::validate_name(name).map_err(fail)?;
-    let client = connect(backend, "fencelock-key").await?;
-    for (label, key) in client.keys_for(name).map_err(fail)? {
+    let url = match &backend.backend {
+        Some(u) => u.clone(),
+        None => fencelock::default_url().map_err(fail)?,
+    };
+    let parsed = fencelock::Backend::parse(&url).map_err(fail)?;
+    for (label, key) in parsed.keys(&backend.prefix, name).map_err(fail)? {
         println!("{label}\t{key}");
     }
     Ok(0)

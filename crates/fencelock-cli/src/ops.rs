@@ -126,7 +126,9 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
         Some(r) => println!(
             "{}: force-released from {}; fencing counter now {}, so the old token is stale; \
              recorded in the audit log",
-            r.resource, r.holder, r.counter
+            shown(&r.resource),
+            r.holder,
+            r.counter
         ),
         None if args.json => println!(
             "{}",
@@ -176,14 +178,29 @@ fn when(t: SystemTime) -> String {
 }
 
 fn optional<T: ToString>(v: Option<T>) -> String {
-    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+    v.map_or_else(|| "-".to_owned(), |v| shown(&v.to_string()))
+}
+
+/// `s` with control characters written as `\u{..}`. Holder fields and audit records were
+/// written by other clients, possibly not fencelock; a newline or a terminal escape in them
+/// must not forge a line of this output or drive the terminal.
+fn shown(s: &str) -> String {
+    s.chars()
+        .fold(String::with_capacity(s.len()), |mut out, c| {
+            if c.is_control() {
+                out.push_str(&format!("\\u{{{:x}}}", c as u32));
+            } else {
+                out.push(c);
+            }
+            out
+        })
 }
 
 fn held_text(name: &str, h: &Holder) -> String {
     let a = h.assess();
-    let mut out = format!("{name}: held by {h} (owner {})\n", h.owner);
+    let mut out = format!("{name}: held by {h} (owner {})\n", shown(&h.owner));
     let mut line = |label: &str, value: String| out.push_str(&format!("  {label:<13} {value}\n"));
-    line("owner", h.owner.clone());
+    line("owner", shown(&h.owner));
     line("token", optional(h.token));
     line("host", optional(h.host.as_deref()));
     line("pid", optional(h.pid));
@@ -212,7 +229,7 @@ fn held_text(name: &str, h: &Holder) -> String {
             _ => "-".to_owned(),
         },
     );
-    line("verdict", format!("{}: {}", a.verdict, a.reason));
+    line("verdict", format!("{}: {}", a.verdict, shown(&a.reason)));
     out
 }
 
@@ -226,7 +243,7 @@ fn table(locks: &[HeldLock]) -> String {
             let h = &l.holder;
             let a = h.assess();
             [
-                l.resource.clone(),
+                shown(&l.resource),
                 optional(h.token),
                 optional(h.host.as_deref()),
                 optional(h.pid),
@@ -270,15 +287,15 @@ fn record_text(r: &AuditRecord) -> String {
         "{} {}: forced by {}@{}: {}\n  old holder: {} (owner {})\n  fencing counter now {}; \
          holder declared dead: {}; found: {}\n",
         when(r.at),
-        r.resource,
-        r.user,
-        r.host,
-        r.reason,
+        shown(&r.resource),
+        shown(&r.user),
+        shown(&r.host),
+        shown(&r.reason),
         h,
-        h.owner,
+        shown(&h.owner),
         r.counter,
         if r.holder_declared_dead { "yes" } else { "no" },
-        r.assessment
+        shown(&r.assessment)
     )
 }
 
@@ -383,6 +400,12 @@ fn record_json(r: &AuditRecord) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_output_escapes_what_other_clients_wrote() {
+        assert_eq!(shown("a\nb\u{1b}[2J"), "a\\u{a}b\\u{1b}[2J");
+        assert_eq!(optional(Some("x\ry")), "x\\u{d}y");
+    }
 
     #[test]
     fn json_strings_are_escaped() {

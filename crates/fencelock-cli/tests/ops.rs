@@ -404,3 +404,221 @@ fn release_needs_force_and_a_reason() {
     std::fs::write(sb.path("release"), "").unwrap();
     assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
 }
+
+/// Bad input of every kind exits 64 with a message, before any lock is taken: overflowing
+/// durations a parser cannot represent, a Redlock URL naming one node twice (spelled alike or
+/// resolving alike), a client name with a control character, an empty prefix (flag or
+/// environment), and a `sqlite://` URL with a query or a fragment.
+#[test]
+fn bad_input_exits_64_and_holds_nothing() {
+    let sb = Sandbox::new();
+    let url = sb.url().to_owned();
+    let cases: [(&[&str], &str); 9] = [
+        (&["--wait", "99999999999999999999999s"], "is not a duration"),
+        (
+            &["--kill-after", "99999999999999999999999y"],
+            "is not a duration",
+        ),
+        (&["--client-name", "a\nb"], "control characters"),
+        (&["--client-name", "\u{1b}[2J"], "control characters"),
+        (&["--prefix", ""], "prefix is empty"),
+        (
+            &[
+                "--backend",
+                "redlock://127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7001",
+            ],
+            "twice",
+        ),
+        (
+            &[
+                "--backend",
+                "redlock://127.0.0.1:7001,localhost:7001,127.0.0.2:7001",
+            ],
+            "same server",
+        ),
+        (&["--backend", "sqlite:///tmp/q.db?foo=bar"], "query"),
+        (&["--backend", "sqlite:///tmp/q.db#frag"], "fragment"),
+    ];
+    for (opts, says) in cases {
+        let mut cmd = sb.bare();
+        cmd.arg("run");
+        if !opts.contains(&"--backend") {
+            cmd.arg("--backend").arg(&url);
+        }
+        cmd.args(opts).args(["x", "--", "touch", "ran"]);
+        let out = sb.run(cmd);
+        assert_eq!(out.code(), Some(USAGE), "{opts:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{opts:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{opts:?}: {}", out.stderr);
+        assert!(!sb.path("ran").exists(), "{opts:?} ran the command");
+    }
+    assert!(!std::path::Path::new("/tmp/q.db?foo=bar").exists());
+    let mut cmd = sb.bare();
+    cmd.env("FENCELOCK_PREFIX", "").args(["key", "x"]);
+    let out = sb.run(cmd);
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+    assert_eq!(sb.inspect("x"), "x: free");
+}
+
+/// Durations beyond any deadline (`300000000000y`, `u64::MAX` seconds) are taken as "wait for
+/// ever" and "never kill early": the command runs and the lock is released, without a panic.
+#[test]
+fn huge_durations_saturate_without_a_panic() {
+    let sb = Sandbox::new();
+    for opts in [
+        ["--wait", "300000000000y"],
+        ["--wait", "18446744073709551615s"],
+        ["--kill-after", "300000000000y"],
+        ["--kill-after", "18446744073709551615s"],
+    ] {
+        let out = sb.run(run_on(&sb, sb.url(), &opts, "huge", "true"));
+        assert_eq!(out.code(), Some(0), "{opts:?}: {out:?}");
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    }
+    let out = sb.run(run_on(
+        &sb,
+        sb.url(),
+        &["--ttl", "18446744073709551615s"],
+        "huge",
+        "true",
+    ));
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+    assert_eq!(sb.inspect("huge"), "huge: free");
+}
+
+/// A lock taken by another client with `SET key value NX PX` and a value holding a newline and
+/// a terminal escape is shown escaped by `inspect`, `list` and the "held by" message, so it
+/// cannot forge a line of output or drive the terminal.
+#[test]
+fn holder_fields_written_by_others_are_escaped() {
+    let sb = Sandbox::new();
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let keys = ok(&sb, on(&sb, &url, "key", &["forged"]));
+    let lock_key = keys
+        .lines()
+        .find_map(|l| l.strip_prefix("lock\t"))
+        .unwrap()
+        .to_owned();
+    let value = "evil\nforged: free\u{1b}[2J";
+    let set = server
+        .cli(&["SET", &lock_key, value, "NX", "PX", "60000"])
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+    let shown = ok(&sb, on(&sb, &url, "inspect", &["forged"]));
+    let listed = ok(&sb, on(&sb, &url, "list", &[]));
+    let held = sb.run(run_on(&sb, &url, &[], "forged", "true"));
+    assert_eq!(held.code(), Some(HELD), "{held:?}");
+    for text in [&shown, &listed, &held.stderr] {
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(
+            !text.lines().any(|l| l.starts_with("forged: free")),
+            "{text:?}"
+        );
+    }
+    assert!(
+        shown.contains("evil\\u{a}forged: free\\u{1b}[2J"),
+        "{shown}"
+    );
+}
+
+/// `--metrics-addr localhost:0` listens on loopback, prints the port it took, and serves the
+/// metrics there while the command runs.
+#[test]
+fn metrics_on_localhost_port_zero_prints_the_address() {
+    let sb = Sandbox::new();
+    let mut holder = sb.spawn(run_on(
+        &sb,
+        sb.url(),
+        &["--metrics-addr", "localhost:0"],
+        "metered",
+        &format!("touch started; {WAIT_FOR_RELEASE}"),
+    ));
+    let mut line = String::new();
+    let printed = poll_until(FINISH, || {
+        line = holder
+            .stderr()
+            .lines()
+            .find(|l| l.contains("serving metrics on http://127.0.0.1:"))
+            .unwrap_or_default()
+            .to_owned();
+        !line.is_empty()
+    });
+    assert!(printed, "{}", holder.stderr());
+    // The acquisition is recorded before the command starts.
+    assert!(poll_until(FINISH, || sb.path("started").exists()));
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap()
+        .to_owned();
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    use std::io::{Read, Write};
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut body = String::new();
+    stream.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.0 200"), "{body}");
+    assert!(body.contains("fencelock_"), "{body}");
+    std::fs::write(sb.path("release"), "").unwrap();
+    assert_eq!(holder.wait(FINISH).unwrap().code(), Some(0));
+}
+
+/// `fencelock key` computes keys from the URL alone: it answers for engines that are down,
+/// and what it prints for a live Redis is what the connected client uses.
+#[test]
+fn key_answers_without_connecting() {
+    let sb = Sandbox::new();
+    let server = RedisServer::start().unwrap();
+    let live = ok(&sb, on(&sb, &server.url(), "key", &["invoices"]));
+    let down = ok(&sb, on(&sb, "redis://127.0.0.1:1", "key", &["invoices"]));
+    assert_eq!(live, down);
+    assert!(live.lines().any(|l| l.starts_with("lock\t")), "{live}");
+    let pg = ok(
+        &sb,
+        on(&sb, "postgres://u@127.0.0.1:1/db", "key", &["invoices"]),
+    );
+    assert!(pg.lines().any(|l| l.starts_with("advisory\t")), "{pg}");
+    let lease = ok(
+        &sb,
+        on(
+            &sb,
+            "postgres://u@127.0.0.1:1/db?mode=lease",
+            "key",
+            &["invoices"],
+        ),
+    );
+    assert_eq!(lease, "row\tfencelock_leases.key = fencelock:v1:invoices\n");
+    let out = sb.run(on(&sb, "redis://127.0.0.1:1", "key", &["a\nb"]));
+    assert_eq!(out.code(), Some(USAGE), "{out:?}");
+}
+
+/// The default state directory is created 0700 and its SQLite file 0600; a file named by the
+/// URL gets the mode the user's umask gives any new file.
+#[test]
+fn default_state_is_private_and_a_named_file_keeps_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let sb = Sandbox::new();
+    let mut cmd = sb.bare();
+    cmd.args(["run", "x", "--", "true"]);
+    assert_eq!(sb.run(cmd).code(), Some(0));
+    let dir = sb.path("state/fencelock");
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&dir.join("locks.db")), 0o600);
+    for side in ["locks.db-wal", "locks.db-shm"] {
+        if dir.join(side).exists() {
+            assert_eq!(mode(&dir.join(side)) & 0o077, 0, "{side}");
+        }
+    }
+
+    let out = sb.run(run_on(&sb, sb.url(), &[], "x", "true"));
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    std::fs::write(sb.path("plain"), "").unwrap();
+    assert_eq!(mode(&sb.path("locks.db")), mode(&sb.path("plain")));
+}

@@ -99,3 +99,46 @@ fn run_terminates_its_command_when_every_node_dies() {
         assert_lost_within(&mut child, Duration::from_secs(2), &format!("{n} node(s)"));
     }
 }
+
+/// A forced release by an ACL user that may not `XADD` (so cannot write the audit record)
+/// deletes nothing, and the message names the refused command; the lock stays with its holder.
+#[test]
+fn a_forced_release_that_cannot_write_its_audit_record_deletes_nothing() {
+    let server = RedisServer::start().unwrap();
+    let acl = server
+        .cli(&[
+            "ACL", "SETUSER", "ops", "on", ">opspw", "~*", "&*", "+@all", "-xadd",
+        ])
+        .unwrap();
+    assert!(acl.status.success(), "{acl:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let holder = hold(&server.url(), "30s", &dir);
+    let as_ops = format!("redis://ops:opspw@{}", server.addr());
+    let out = fencelock_at(
+        &as_ops,
+        &[
+            "release",
+            "--force",
+            "--holder-is-dead",
+            "--reason",
+            "test",
+            "job",
+        ],
+    )
+    .run(FINISH)
+    .unwrap();
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    assert!(out.stderr.contains("XADD"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("nothing was released"),
+        "{}",
+        out.stderr
+    );
+    let shown = fencelock_at(&server.url(), &["inspect", "job"])
+        .run(FINISH)
+        .unwrap();
+    assert!(shown.stdout.starts_with("job: held by"), "{shown:?}");
+    let audit = server.cli(&["XLEN", "fencelock:v1:audit"]).unwrap();
+    assert_eq!(String::from_utf8_lossy(&audit.stdout).trim(), "0");
+    assert!(!holder.exited(), "the holder lost its lock");
+}

@@ -154,6 +154,37 @@ impl PgServer {
 }
 
 impl PgServer {
+    /// Creates a login role `user` with `password` that must authenticate with it over TCP
+    /// (`scram-sha-256`; every other role keeps trust authentication), with no privilege
+    /// beyond connecting, and reloads the server's configuration. Returns its URL.
+    pub fn add_password_role(&self, user: &str, password: &str) -> io::Result<String> {
+        let out = self.psql(&format!(
+            "CREATE ROLE \"{user}\" LOGIN PASSWORD '{}'",
+            password.replace('\'', "''")
+        ))?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "CREATE ROLE {user} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let hba = self.dir.path().join("data").join("pg_hba.conf");
+        let old = std::fs::read_to_string(&hba)?;
+        // The first matching line wins, so the role's line goes before the trust lines.
+        std::fs::write(
+            &hba,
+            format!("host all \"{user}\" 127.0.0.1/32 scram-sha-256\n{old}"),
+        )?;
+        let out = self.psql("SELECT pg_reload_conf()")?;
+        if !out.status.success() {
+            return Err(io::Error::other("pg_reload_conf failed"));
+        }
+        Ok(format!(
+            "postgres://{user}@127.0.0.1:{}/postgres",
+            self.port
+        ))
+    }
+
     /// Starts `psql` in the background running `sql` as one session (`-X -q -v
     /// ON_ERROR_STOP=1`, output discarded): a second client, as an operator at a terminal
     /// would be. The caller waits for its effect and kills it when done.

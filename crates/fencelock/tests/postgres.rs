@@ -333,3 +333,83 @@ async fn a_dropped_advisory_lease_is_unlocked_after_its_ttl() {
     assert!(next.token() > token);
     next.release().await.unwrap();
 }
+
+/// PostgreSQL's own words reach the user: a wrong password, an unknown database or role, a
+/// missing privilege and a refused connection each say what the server (or the socket) said,
+/// not "db error: db error".
+#[tokio::test]
+async fn engine_errors_carry_the_servers_message() {
+    let server = PgServer::start().unwrap();
+    let pw_url = server.add_password_role("pw", "right").unwrap();
+    let port = server.port();
+    let with_password = pw_url.replace("pw@", "pw:wrong@");
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        drop(l);
+        p
+    };
+    let cases = [
+        (with_password, "password authentication failed"),
+        (
+            format!("postgres://postgres@127.0.0.1:{port}/nosuchdb"),
+            "database \"nosuchdb\" does not exist",
+        ),
+        (
+            format!("postgres://nosuchrole@127.0.0.1:{port}/postgres"),
+            "role \"nosuchrole\" does not exist",
+        ),
+        (
+            format!("postgres://postgres@127.0.0.1:{closed}/postgres"),
+            "Connection refused",
+        ),
+    ];
+    for (url, says) in cases {
+        let e = timeout(LIMIT, Client::connect(&url)).await.unwrap().err();
+        let text = e.as_ref().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains(says), "{url}: {text}");
+        assert!(!text.contains("db error"), "{url}: {text}");
+        assert!(!text.contains("wrong"), "the password leaked: {text}");
+    }
+    // A role that may connect but not create fencelock's tables in the public schema.
+    query(&server, "REVOKE CREATE ON SCHEMA public FROM PUBLIC");
+    let right = pw_url.replace("pw@", "pw:right@");
+    let e = timeout(LIMIT, Client::connect(&right)).await.unwrap().err();
+    let text = e.as_ref().map(|e| e.to_string()).unwrap_or_default();
+    assert!(text.contains("permission denied"), "{text}");
+}
+
+/// A forced release by a role that may not INSERT into `fencelock_audit` deletes nothing: the
+/// audit record and the release are one transaction, and the message says what was refused.
+#[tokio::test]
+async fn a_forced_release_that_cannot_write_its_audit_record_deletes_nothing() {
+    let server = PgServer::start().unwrap();
+    let holder = client(&server.url()).await;
+    let lease = holder
+        .try_acquire("job", &LockOptions::default())
+        .await
+        .unwrap();
+    let ops_url = server.add_password_role("ops", "opspw").unwrap();
+    query(
+        &server,
+        "DO $$ DECLARE t text; BEGIN FOR t IN SELECT tablename FROM pg_tables \
+         WHERE tablename LIKE 'fencelock%' LOOP EXECUTE format('ALTER TABLE %I OWNER TO ops', t); \
+         END LOOP; END $$; GRANT ALL ON SCHEMA public TO ops; GRANT pg_signal_backend TO ops; \
+         REVOKE INSERT ON fencelock_audit FROM ops",
+    );
+    let ops = client(&ops_url.replace("ops@", "ops:opspw@")).await;
+    let request = fencelock::ForceRelease::new("test").holder_is_dead(true);
+    let e = timeout(LIMIT, ops.force_release("job", &request))
+        .await
+        .unwrap()
+        .err();
+    let text = e.as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(
+        text.contains("permission denied for table fencelock_audit"),
+        "{text}"
+    );
+    assert!(ops.inspect("job").await.unwrap().is_some());
+    assert!(!lease.is_lost());
+    assert_eq!(query(&server, "SELECT count(*) FROM fencelock_audit"), "0");
+    lease.release().await.unwrap();
+}

@@ -127,6 +127,38 @@ async fn a_hung_node_does_not_stall_acquire_past_its_node_timeout() {
     lease.release().await.unwrap();
 }
 
+/// A release with one node stopped (SIGSTOP) returns once the majority released, not after the
+/// hung node's operation timeout. The lock is free at once (a majority no longer holds it);
+/// the stopped node, which was not waited for, keeps its copy until the TTL ends.
+#[tokio::test]
+async fn a_hung_node_does_not_hold_up_a_release() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let c = Client::builder(redlock_url(&nodes))
+        .op_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    let lease = c
+        .try_acquire("r", &LockOptions::default().ttl(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    nodes[2].pause().unwrap();
+    let started = Instant::now();
+    lease.release().await.unwrap();
+    let took = started.elapsed();
+    nodes[2].resume().unwrap();
+    assert!(took < Duration::from_secs(2), "release took {took:?}");
+    let key = c.keys_for("r").unwrap()[0].1.clone();
+    let pttl: i64 = cli(&nodes[2], &["PTTL", &key]).parse().unwrap();
+    assert!(
+        pttl <= 30_000,
+        "the stopped node's copy must expire, PTTL {pttl}"
+    );
+    assert!(c.inspect("r").await.unwrap().is_none());
+    let next = c.try_acquire("r", &LockOptions::default()).await.unwrap();
+    next.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn tokens_increase_across_a_restart_without_persistence_one_node() {
     let mut server = RedisServer::start().unwrap();
@@ -650,4 +682,27 @@ async fn redlock_forced_release_raises_the_mark_on_a_majority() {
     assert_eq!(c.audit(None).await.unwrap(), vec![record.clone()]);
     let next = c.try_acquire("r", &long()).await.unwrap();
     assert!(next.token() > record.counter);
+}
+
+/// A Redlock node that refuses the client's credentials is reported as an authentication
+/// failure naming that node, when connecting, not as a node that gives no answer.
+#[tokio::test]
+async fn a_redlock_node_refusing_auth_is_an_authentication_failure() {
+    let nodes = start_redis_nodes(3).unwrap();
+    assert_eq!(
+        cli(&nodes[2], &["CONFIG", "SET", "requirepass", "s3cret"]),
+        "OK"
+    );
+    let e = timeout(
+        Duration::from_secs(10),
+        Client::connect(&redlock_url(&nodes)),
+    )
+    .await
+    .unwrap()
+    .err();
+    let text = e.as_ref().map(ToString::to_string).unwrap_or_default();
+    assert_eq!(e.map(|e| e.kind()), Some(ErrorKind::Engine), "{text}");
+    assert!(text.contains("authentication failed"), "{text}");
+    assert!(text.contains(&nodes[2].addr()), "{text}");
+    assert!(!text.contains("no answer"), "{text}");
 }

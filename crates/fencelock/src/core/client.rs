@@ -17,7 +17,7 @@ use crate::core::error::{Error, ErrorKind, Result};
 use crate::core::holder::{Holder, HolderMeta};
 use crate::core::lease::LeaseState;
 use crate::core::metrics::Loss;
-use crate::core::name::validate_name;
+use crate::core::name::{validate_name, MAX_NAME_BYTES};
 use crate::core::options::{display_duration, OP_TIMEOUT_CEILING, TTL_CEILING};
 use crate::core::url::redact_url;
 use crate::core::watchdog::Watchdog;
@@ -55,13 +55,15 @@ pub struct ClientBuilder {
 }
 
 impl ClientBuilder {
-    /// The key prefix (namespace). Default `fencelock:v1:`.
+    /// The key prefix (namespace). Default `fencelock:v1:`. An empty prefix is refused by
+    /// [`ClientBuilder::connect`] as invalid input.
     pub fn prefix(mut self, prefix: impl Into<String>) -> ClientBuilder {
         self.prefix = prefix.into();
         self
     }
 
     /// The client name recorded with every lease, shown by `inspect`. Default `fencelock`.
+    /// Checked like a resource name (1 to 256 bytes, no control characters) on connect.
     pub fn client_name(mut self, name: impl Into<String>) -> ClientBuilder {
         self.client_name = name.into();
         self
@@ -86,10 +88,28 @@ impl ClientBuilder {
 
     /// The settings every engine is opened with, checked.
     pub(crate) fn config(&self) -> Result<EngineConfig> {
+        if self.prefix.is_empty() {
+            return Err(Error::invalid(
+                "the key prefix is empty; an empty namespace shares keys with every other \
+                 user of the engine, so give one such as fencelock:v1:",
+            ));
+        }
         if self.prefix.len() > 64 || self.prefix.chars().any(char::is_control) {
             return Err(Error::invalid(
                 "the key prefix must be at most 64 bytes without control characters",
             ));
+        }
+        // The client name is written next to every lease and shown by `inspect` and in "held
+        // by" messages on other machines: the same rules as a resource name keep it one line.
+        if self.client_name.is_empty()
+            || self.client_name.len() > MAX_NAME_BYTES
+            || self.client_name.chars().any(char::is_control)
+        {
+            return Err(Error::invalid(format!(
+                "the client name {:?} must be 1 to {MAX_NAME_BYTES} bytes without control \
+                 characters",
+                self.client_name
+            )));
         }
         if self.op_timeout.is_zero() || self.op_timeout > OP_TIMEOUT_CEILING {
             return Err(Error::invalid(format!(

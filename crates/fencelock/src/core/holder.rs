@@ -47,15 +47,33 @@ impl Holder {
     }
 }
 
+/// `s` with every control character written as `\u{..}`: holder fields are written by other
+/// clients, and a newline or a terminal escape in them must not forge a line of output.
+pub(crate) fn escaped(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 impl fmt::Display for Holder {
+    /// One line; control characters in the fields other clients wrote are escaped.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (&self.pid, &self.host) {
-            (Some(pid), Some(host)) => write!(f, "pid {pid} on {host}")?,
-            (None, Some(host)) => write!(f, "host {host}")?,
-            _ => write!(f, "owner {}", self.owner)?,
+            (Some(pid), Some(host)) => write!(f, "pid {pid} on {}", escaped(host))?,
+            (None, Some(host)) => write!(f, "host {}", escaped(host))?,
+            _ => write!(f, "owner {}", escaped(&self.owner))?,
         }
         if let Some(client) = &self.client {
-            write!(f, ", client {client}")?;
+            write!(f, ", client {}", escaped(client))?;
         }
         if let Some(token) = self.token {
             write!(f, ", token {token}")?;
@@ -125,6 +143,18 @@ pub(crate) fn duration_from_millis(ms: i64) -> Duration {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn holder_fields_cannot_forge_lines_or_escapes() {
+        let mut h = Holder::bare("o\nwner".into());
+        assert_eq!(h.to_string(), "owner o\\u{a}wner");
+        h.host = Some("h\x1b[2J".into());
+        h.pid = Some(7);
+        h.client = Some("c\r\nfencelock: lock is free".into());
+        let text = h.to_string();
+        assert!(!text.chars().any(char::is_control), "{text}");
+        assert!(text.contains("h\\u{1b}[2J"), "{text}");
+    }
 
     #[test]
     fn conversions_clamp_at_the_edges() {

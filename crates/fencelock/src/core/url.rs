@@ -69,9 +69,77 @@ pub(crate) fn parse_host_port(s: &str, default_port: u16) -> Result<HostPort> {
     })
 }
 
+/// Refuses a node list that names one server twice (same host, ignoring case, and port): a
+/// quorum counted over it would count that server's vote twice.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn distinct_nodes(nodes: &[HostPort]) -> Result<()> {
+    for (i, a) in nodes.iter().enumerate() {
+        if let Some(b) = nodes[..i]
+            .iter()
+            .find(|b| b.port == a.port && b.host.eq_ignore_ascii_case(&a.host))
+        {
+            return Err(Error::invalid(format!(
+                "the backend URL names node {b} twice; a quorum needs distinct servers"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a node list in which two names resolve to one address (`localhost:7000` and
+/// `127.0.0.1:7000`). A name that does not resolve is left to the connection to report.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) async fn distinct_addresses(
+    nodes: &[HostPort],
+    timeout: std::time::Duration,
+) -> Result<()> {
+    let mut seen: Vec<(std::net::SocketAddr, &HostPort)> = Vec::new();
+    for node in nodes {
+        let lookup = tokio::net::lookup_host((node.host.as_str(), node.port));
+        let Ok(Ok(addrs)) = tokio::time::timeout(timeout, lookup).await else {
+            continue;
+        };
+        let addrs: Vec<_> = addrs.collect();
+        for addr in &addrs {
+            if let Some((_, other)) = seen.iter().find(|(a, n)| a == addr && *n != node) {
+                return Err(Error::invalid(format!(
+                    "nodes {other} and {node} of the backend URL are the same server \
+                     ({addr}); a quorum needs distinct servers"
+                )));
+            }
+        }
+        seen.extend(addrs.into_iter().map(|a| (a, node)));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_node_named_twice_is_refused() {
+        let n = |h: &str, p| HostPort {
+            host: h.into(),
+            port: p,
+        };
+        assert!(distinct_nodes(&[n("a", 1), n("b", 1), n("a", 2)]).is_ok());
+        assert!(distinct_nodes(&[n("a", 1), n("b", 1), n("A", 1)]).is_err());
+    }
+
+    #[tokio::test]
+    async fn names_of_one_address_are_refused() {
+        let n = |h: &str| HostPort {
+            host: h.into(),
+            port: 7000,
+        };
+        let t = std::time::Duration::from_secs(2);
+        assert!(distinct_addresses(&[n("127.0.0.1"), n("127.0.0.2")], t)
+            .await
+            .is_ok());
+        let e = distinct_addresses(&[n("127.0.0.1"), n("localhost")], t).await;
+        assert!(e.is_err(), "{e:?}");
+    }
 
     #[test]
     fn redaction_hides_passwords() {

@@ -54,6 +54,7 @@ const SCHEMES: &str =
 impl Backend {
     /// Parses a backend URL, with the same rules and errors as [`Client::connect`].
     pub fn parse(url: &str) -> Result<Backend> {
+        let url = &with_password(url)?;
         let Some((scheme, rest)) = url.split_once("://") else {
             return Err(Error::invalid(format!(
                 "backend {:?} is not a URL; use one of {SCHEMES}",
@@ -87,6 +88,29 @@ impl Backend {
         }
     }
 
+    /// The engine keys a resource name maps to under `prefix`, labelled (`lock`, `fence`,
+    /// `advisory`, ...), exactly as [`Client::keys_for`] gives them, but computed from the URL
+    /// alone: nothing is opened or contacted.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for an invalid name or
+    /// prefix.
+    pub fn keys(&self, prefix: &str, name: &str) -> Result<Vec<(&'static str, String)>> {
+        crate::core::name::validate_name(name)?;
+        Client::builder("").prefix(prefix).config()?;
+        let _ = (prefix, name);
+        Ok(match *self {
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(_) => sqlite::labelled_keys(prefix, name),
+            #[cfg(feature = "redis")]
+            Backend::Redis(_) => redis::labelled_keys(prefix, name),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(ref u) => postgres::labelled_keys(u.mode, prefix, name),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => etcd::labelled_keys(prefix, name),
+        })
+    }
+
     /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`
     /// or `etcd`.
     pub fn engine(&self) -> &'static str {
@@ -101,6 +125,103 @@ impl Backend {
             Backend::Etcd(_) => "etcd",
         }
     }
+}
+
+/// The one place passwords come from, for every engine with a server: the URL's own
+/// (`user:password@`), else the file named by the URL option `password_file=PATH`, else the
+/// file named by `$FENCELOCK_PASSWORD_FILE`, else `$FENCELOCK_PASSWORD`. A file's trailing
+/// newline is dropped. The password found is put into the URL's authority, so each engine's
+/// parser reads it as if it had been written there, and `password_file` is taken out of the
+/// query before the engine sees it. Keeping passwords out of the URL keeps them out of
+/// `ps` and shell histories.
+fn with_password(url: &str) -> Result<String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok(url.to_owned());
+    };
+    if scheme == "sqlite" {
+        return Ok(url.to_owned());
+    }
+    let (body, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let mut file = None;
+    let kept: Vec<&str> = query
+        .map(|q| {
+            q.split('&')
+                .filter(|kv| match kv.strip_prefix("password_file=") {
+                    Some(path) => {
+                        file = Some(path);
+                        false
+                    }
+                    None => true,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let (authority, path) = match body.find('/') {
+        Some(i) => body.split_at(i),
+        None => (body, ""),
+    };
+    let (creds, hosts) = match authority.rsplit_once('@') {
+        Some((c, h)) => (Some(c), h),
+        None => (None, authority),
+    };
+    // `redis://secret@host` is Redis' password-only spelling; elsewhere `user@host` is a user.
+    let in_url = match creds.map(|c| c.split_once(':')) {
+        Some(Some((_, p))) => !p.is_empty(),
+        Some(None) => matches!(scheme, "redis" | "rediss" | "redlock"),
+        None => false,
+    };
+    let read = |path: &str, what: &str| -> Result<String> {
+        let decoded = crate::core::url::decode(path, "password file")?;
+        std::fs::read_to_string(&decoded)
+            .map(|p| p.trim_end_matches(['\n', '\r']).to_owned())
+            .map_err(|e| {
+                Error::invalid(format!(
+                    "cannot read the password file {decoded:?} ({what}): {e}"
+                ))
+            })
+    };
+    let password = if in_url {
+        None
+    } else if let Some(f) = file {
+        Some(read(f, "password_file= in the URL")?)
+    } else if let Some(f) = std::env::var("FENCELOCK_PASSWORD_FILE")
+        .ok()
+        .filter(|f| !f.is_empty())
+    {
+        Some(read(&f, "$FENCELOCK_PASSWORD_FILE")?)
+    } else {
+        std::env::var("FENCELOCK_PASSWORD")
+            .ok()
+            .filter(|p| !p.is_empty())
+    };
+    let creds = match (creds, password) {
+        (c, None) => c.map(str::to_owned),
+        (c, Some(p)) => {
+            use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+            let user = c
+                .map(|c| c.split_once(':').map_or(c, |(u, _)| u))
+                .unwrap_or("");
+            Some(format!(
+                "{user}:{}",
+                utf8_percent_encode(&p, NON_ALPHANUMERIC)
+            ))
+        }
+    };
+    let mut out = format!("{scheme}://");
+    if let Some(c) = creds {
+        out.push_str(&c);
+        out.push('@');
+    }
+    out.push_str(hosts);
+    out.push_str(path);
+    if !kept.is_empty() {
+        out.push('?');
+        out.push_str(&kept.join("&"));
+    }
+    Ok(out)
 }
 
 /// The error for a URL whose engine this build was compiled without.
@@ -127,7 +248,14 @@ pub(crate) async fn open(url: &str, cfg: &EngineConfig) -> Result<Opened> {
         #[cfg(feature = "sqlite")]
         Backend::Sqlite(u) => sqlite::open(u, cfg).await,
         #[cfg(feature = "redis")]
-        Backend::Redis(u) => redis::open(u, cfg).await,
+        Backend::Redis(u) => {
+            // Two names of one server would count its vote twice; the URL check sees only
+            // identical spellings.
+            if u.quorum {
+                crate::core::url::distinct_addresses(&u.nodes, cfg.op_timeout).await?;
+            }
+            redis::open(u, cfg).await
+        }
         #[cfg(feature = "postgres")]
         Backend::Postgres(u) => postgres::open(u, cfg).await,
         #[cfg(feature = "etcd")]
@@ -181,6 +309,30 @@ impl Client {
 mod url_tests {
     use super::*;
     use crate::ErrorKind;
+
+    #[test]
+    fn password_file_goes_into_the_url_and_out_of_the_query() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pw");
+        std::fs::write(&file, "p@ss w\n").unwrap();
+        let f = file.display();
+        assert_eq!(
+            with_password(&format!("postgres://u@h/db?password_file={f}&mode=lease")).unwrap(),
+            "postgres://u:p%40ss%20w@h/db?mode=lease"
+        );
+        assert_eq!(
+            with_password(&format!("redlock://a:1,b:2,c:3?password_file={f}")).unwrap(),
+            "redlock://:p%40ss%20w@a:1,b:2,c:3"
+        );
+        // A password written in the URL wins.
+        assert_eq!(
+            with_password(&format!("redis://u:x@h:1/2?password_file={f}")).unwrap(),
+            "redis://u:x@h:1/2"
+        );
+        let e = with_password("redis://h?password_file=/nonexistent/pw").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert_eq!(with_password("sqlite:///x?y").unwrap(), "sqlite:///x?y");
+    }
 
     #[test]
     fn bad_urls_are_invalid_input() {

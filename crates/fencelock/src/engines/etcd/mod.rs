@@ -52,14 +52,40 @@ pub(crate) async fn open(url: EtcdUrl, cfg: &EngineConfig) -> Result<Opened> {
     })
 }
 
+/// The client's prefix on etcd: the default one is written the etcd way, as a path.
+fn etcd_prefix(prefix: &str) -> String {
+    if prefix == DEFAULT_PREFIX {
+        DEFAULT_ETCD_PREFIX.to_owned()
+    } else {
+        prefix.to_owned()
+    }
+}
+
+fn keys_of(keys: &Keys, name: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("etcdctl lock/elect name", keys.lock_prefix(name)),
+        (
+            "waiter keys",
+            format!("{}<lease id hex>", keys.waiters(name)),
+        ),
+    ]
+}
+
+/// The labelled keys of `name` under `prefix`, as [`Engine::keys`] gives them, without a
+/// connection.
+pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    keys_of(
+        &Keys {
+            prefix: etcd_prefix(prefix),
+        },
+        name,
+    )
+}
+
 impl EtcdEngine {
     async fn connect(url: &EtcdUrl, cfg: &EngineConfig) -> Result<EtcdEngine> {
         let client = call::connect_client(url, cfg.op_timeout).await?;
-        let prefix = if cfg.prefix == DEFAULT_PREFIX {
-            DEFAULT_ETCD_PREFIX.to_owned()
-        } else {
-            cfg.prefix.clone()
-        };
+        let prefix = etcd_prefix(&cfg.prefix);
         Ok(EtcdEngine {
             client,
             keys: Keys { prefix },
@@ -76,13 +102,7 @@ impl Engine for EtcdEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![
-            ("etcdctl lock/elect name", self.keys.lock_prefix(name)),
-            (
-                "waiter keys",
-                format!("{}<lease id hex>", self.keys.waiters(name)),
-            ),
-        ]
+        keys_of(&self.keys, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

@@ -173,10 +173,7 @@ impl Engine for LeaseEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![(
-            "row",
-            format!("fencelock_leases.key = {}", self.shared.key(name)),
-        )]
+        super::labelled_keys(super::url::PgMode::Lease, &self.shared.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

@@ -250,6 +250,21 @@ fn causes(e: &tokio_postgres::Error) -> String {
 
 /// The advisory lock key of a resource: the first 8 bytes of SHA-256(prefix ‖ name) as a
 /// big-endian signed integer.
+/// The labelled keys of `name` under `prefix` in `mode`, as [`Engine::keys`] gives them,
+/// without a connection.
+pub(crate) fn labelled_keys(mode: PgMode, prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    match mode {
+        PgMode::Advisory => vec![
+            ("advisory", advisory_key(prefix, name).to_string()),
+            (
+                "token row",
+                format!("fencelock_tokens.key = {prefix}{name}"),
+            ),
+        ],
+        PgMode::Lease => vec![("row", format!("fencelock_leases.key = {prefix}{name}"))],
+    }
+}
+
 pub(crate) fn advisory_key(prefix: &str, name: &str) -> i64 {
     let digest = Sha256::new()
         .chain_update(prefix.as_bytes())
@@ -352,7 +367,39 @@ fn pg_error(kind: &'static str, what: &str, e: tokio_postgres::Error) -> Error {
     } else {
         ""
     };
-    Error::engine_failure(kind, format!("{what}{hint}: {e}")).with_source(e)
+    Error::engine_failure(kind, format!("{what}{hint}: {}", server_says(&e)))
+}
+
+/// What the server (or the socket) said. `tokio_postgres::Error` displays as "db error" for
+/// every server error and keeps the message in its source, so the message, SQLSTATE, detail
+/// and hint are taken from there; other errors are shown with their chain of causes
+/// ("error connecting to server: Connection refused").
+fn server_says(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut out = format!(
+            "{} {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+        if let Some(detail) = db.detail() {
+            out.push_str(&format!("; {detail}"));
+        }
+        if let Some(hint) = db.hint() {
+            out.push_str(&format!("; hint: {hint}"));
+        }
+        return out;
+    }
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(&format!(": {text}"));
+        }
+        source = s.source();
+    }
+    out
 }
 
 /// Waits for `fut` at most `limit`, so that no statement of either mode outlives its

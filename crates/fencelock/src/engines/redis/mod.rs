@@ -74,7 +74,17 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         channel,
         shutdown,
     };
-    if !quorum {
+    if quorum {
+        // Redlock tolerates nodes that are down, but not credentials a node refuses: that is
+        // a configuration error, and later it would read as votes that never come.
+        let limit = cfg.op_timeout.min(Duration::from_secs(1));
+        let refusals =
+            futures_util::future::join_all(engine.nodes.iter().map(|n| n.auth_refusal(limit)))
+                .await;
+        if let Some(why) = refusals.into_iter().flatten().next() {
+            return Err(Error::engine_failure(kind, why));
+        }
+    } else {
         // One node: fail early with a clear error when it cannot be reached at all.
         engine.nodes[0].ping(cfg.op_timeout).await.map_err(|e| {
             let hint = if e.kind() == redis::ErrorKind::AuthenticationFailed {
@@ -117,6 +127,12 @@ impl Drop for RedisEngine {
     }
 }
 
+/// The labelled keys of `name` under `prefix`, as [`Engine::keys`] gives them, without a
+/// connection: `fencelock key` prints them for an engine it does not open.
+pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    Keys::new(prefix, name).labelled()
+}
+
 impl RedisEngine {
     fn keys(&self, name: &str) -> Keys {
         Keys::new(&self.prefix, name)
@@ -147,7 +163,7 @@ impl Engine for RedisEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        self.keys(name).labelled()
+        labelled_keys(&self.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

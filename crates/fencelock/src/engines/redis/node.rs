@@ -98,12 +98,29 @@ impl Node {
     ) -> NodeResult<T> {
         match tokio::time::timeout(limit, request).await {
             Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if is_auth_failure(&e) => Err(format!(
+                "{}: authentication failed ({e}); check the user and password",
+                self.addr
+            )),
             Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
             Err(_) => Err(format!(
                 "{}: no answer within {}",
                 self.addr,
                 crate::core::options::display_duration(limit)
             )),
+        }
+    }
+
+    /// Whether the node refuses this client's credentials: found by one PING, so that a wrong
+    /// password reads as such and not as a node that never answers. `None` when the node
+    /// accepted them or could not be asked within `limit`.
+    pub(super) async fn auth_refusal(&self, limit: Duration) -> Option<String> {
+        match self.ping(limit).await {
+            Err(e) if is_auth_failure(&e) => Some(format!(
+                "{}: authentication failed ({e}); check the user and password in the URL",
+                self.addr
+            )),
+            _ => None,
         }
     }
 
@@ -126,4 +143,10 @@ impl Node {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.sit_out_until.is_none_or(|t| Instant::now() >= t)
     }
+}
+
+/// A refusal of the credentials: a failed AUTH, or a command refused for want of one.
+pub(super) fn is_auth_failure(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
 }

@@ -60,8 +60,17 @@ impl RedisEngine {
     /// The release of a lease: released when a quorum released it.
     pub(super) async fn release_lease(&self, name: &str, owner: &str) -> Result<bool> {
         let keys = self.keys(name);
+        let (n, q) = (self.nodes.len(), self.quorum);
+        // Decided once a quorum released, or so many did not that a quorum no longer can: a
+        // hung node does not hold up the end of a command that has finished.
         let answers = self
-            .release_everywhere(&keys, owner, Release::Done, self.op_timeout)
+            .ask_until(
+                |node| self.release_on(node, &keys, owner, Release::Done, self.op_timeout),
+                |ok| {
+                    let yes = ok.iter().filter(|r| ***r).count();
+                    yes >= q || ok.len() - yes > n - q
+                },
+            )
             .await;
         answers.unless_every_node_failed()?;
         Ok(answers.quorum_says(|released| *released))

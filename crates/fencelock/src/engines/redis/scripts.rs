@@ -302,6 +302,18 @@ local cur = redis.call('GET', KEYS[1])
 if not cur or (ARGV[1] ~= '' and cur ~= ARGV[1]) then
   return {0}
 end
+-- The release and its audit record happen together or not at all: scripts are not rolled
+-- back, so a command the caller's ACL denies must be found before the first write.
+if redis.acl_check_cmd then
+  local writes = {{'XADD', KEYS[5], '*', 'f', 'v'}, {'SET', KEYS[3], '1', 'GET'},
+    {'DEL', KEYS[1], KEYS[2], KEYS[6]}, {'PUBLISH', ARGV[3], ''}}
+  for _, c in ipairs(writes) do
+    if not redis.acl_check_cmd(unpack(c)) then
+      return redis.error_reply('NOPERM this user may not run ' .. c[1] .. ' on ' .. c[2] ..
+        '; nothing was released (a forced release writes its audit record with the release)')
+    end
+  end
+end
 local meta = redis.call('GET', KEYS[2])
 local pttl = redis.call('PTTL', KEYS[1])
 local t = redis.call('TIME')

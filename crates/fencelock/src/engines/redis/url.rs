@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use crate::core::error::{Error, Result};
-use crate::core::url::{decode, parse_host_port, HostPort};
+use crate::core::url::{decode, distinct_nodes, parse_host_port, HostPort};
 
 /// Redis' port, used for nodes written without one.
 const DEFAULT_PORT: u16 = 6379;
@@ -209,6 +209,9 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
             nodes.len()
         )));
     }
+    if quorum {
+        distinct_nodes(&nodes)?;
+    }
     if !quorum && nodes.len() != 1 {
         return Err(Error::invalid(format!(
             "{scheme}:// takes one node, got {}; use redlock:// (redlocks:// over TLS) for a \
@@ -315,6 +318,7 @@ mod tests {
             ("rediss", "h:1?ca="),
             ("rediss", "h:1?pin=/x"),
             ("redlocks", "a:1,b:2"),
+            ("redlock", "a:1,b:2,a:1"),
         ] {
             let e = parse(scheme, rest).expect_err(rest);
             assert_eq!(

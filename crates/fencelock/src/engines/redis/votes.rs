@@ -36,6 +36,52 @@ pub(super) enum Verdict {
 }
 
 impl RedisEngine {
+    /// Asks every node at once and stops waiting once `decided` holds for the answers so far
+    /// (or every node answered): a hung node then costs nothing once the others have settled
+    /// the outcome. The requests to the nodes still waiting are abandoned and those nodes
+    /// count as not having answered: what they hold expires with its TTL.
+    pub(super) async fn ask_until<'a, T, Fut>(
+        &'a self,
+        ask: impl FnMut(&'a Node) -> Fut,
+        decided: impl Fn(&[&T]) -> bool,
+    ) -> Tally<'a, T>
+    where
+        Fut: std::future::Future<Output = NodeResult<T>>,
+    {
+        use futures_util::stream::{FuturesUnordered, StreamExt};
+        let mut pending: FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(ask)
+            .enumerate()
+            .map(|(i, f)| async move { (i, f.await) })
+            .collect();
+        let mut answers: Vec<Option<NodeResult<T>>> = self.nodes.iter().map(|_| None).collect();
+        while let Some((i, answer)) = pending.next().await {
+            answers[i] = Some(answer);
+            let ok: Vec<&T> = answers
+                .iter()
+                .filter_map(|a| a.as_ref().and_then(|a| a.as_ref().ok()))
+                .collect();
+            if decided(&ok) {
+                break;
+            }
+        }
+        Tally {
+            engine: self,
+            answers: answers
+                .into_iter()
+                .zip(&self.nodes)
+                .map(|(a, n)| {
+                    a.unwrap_or_else(|| {
+                        Err(format!("{}: not waited for, the others decided", n.addr))
+                    })
+                })
+                .collect(),
+            votes_only: false,
+        }
+    }
+
     /// Asks every node at once; every answer counts.
     pub(super) async fn ask<'a, T, Fut>(&'a self, ask: impl FnMut(&'a Node) -> Fut) -> Tally<'a, T>
     where

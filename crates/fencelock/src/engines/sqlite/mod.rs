@@ -112,6 +112,12 @@ fn current_boot_id() -> String {
         .unwrap_or_else(|_| "unknown-boot".to_owned())
 }
 
+/// The labelled keys of `name` under `prefix`, as the engine gives them, without opening the
+/// file.
+pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, String)> {
+    vec![("row", format!("{prefix}{name}"))]
+}
+
 impl SqlRow for rusqlite::Row<'_> {
     type Error = rusqlite::Error;
     fn text(&self, i: usize) -> rusqlite::Result<String> {
@@ -221,10 +227,14 @@ impl SqliteEngine {
         let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (ready_tx, ready) = tokio::sync::oneshot::channel();
         let p = path.clone();
+        // The default file is this user's own: its directory is created 0700, as the XDG
+        // base-directory spec asks, and the file 0600. A file the URL names keeps the user's
+        // umask, so a group can share it (docs/sqlite.md).
+        let private = url::default_sqlite_path().ok().as_deref() == Some(path.as_path());
         std::thread::Builder::new()
             .name("fencelock-sqlite".into())
             .spawn(move || {
-                let mut conn = match open_blocking(&p, op_timeout) {
+                let mut conn = match open_blocking(&p, op_timeout, private) {
                     Ok(c) => {
                         let _ = ready_tx.send(Ok(()));
                         c
@@ -284,9 +294,15 @@ impl SqliteEngine {
     }
 }
 
-fn open_blocking(path: &Path, op_timeout: Duration) -> Result<Connection> {
+fn open_blocking(path: &Path, op_timeout: Duration, private: bool) -> Result<Connection> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| {
+        use std::os::unix::fs::DirBuilderExt;
+        let mut builder = std::fs::DirBuilder::new();
+        builder.recursive(true);
+        if private {
+            builder.mode(0o700);
+        }
+        builder.create(dir).map_err(|e| {
             Error::engine_failure(
                 ENGINE,
                 format!(
@@ -296,6 +312,23 @@ fn open_blocking(path: &Path, op_timeout: Duration) -> Result<Connection> {
                 ),
             )
         })?;
+    }
+    if private {
+        use std::os::unix::fs::OpenOptionsExt;
+        // Created here, before SQLite would create it with the umask's mode; SQLite gives its
+        // -wal and -shm files the database file's mode.
+        let created = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path);
+        if let Err(e) = created {
+            return Err(Error::engine_failure(
+                ENGINE,
+                format!("cannot create the lock database {}: {e}", path.display()),
+            ));
+        }
     }
     let started = std::time::Instant::now();
     loop {
@@ -348,7 +381,7 @@ impl Engine for SqliteEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![("row", self.key(name))]
+        labelled_keys(&self.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {

@@ -39,6 +39,17 @@ pub(crate) fn parse(rest: &str) -> Result<SqliteUrl> {
             path: default_sqlite_path()?,
         });
     }
+    // A `?` or `#` would otherwise end up in the file name (`q.db?mode=ro` creating a file of
+    // that name), and no SQLite option is read from the URL.
+    if let Some(c) = rest.chars().find(|c| matches!(c, '?' | '#')) {
+        return Err(Error::invalid(format!(
+            "the SQLite URL sqlite://{rest} has a {}; sqlite:// takes a path only (write \
+             {} as %{:02X} if it is part of the file name)",
+            if c == '?' { "query" } else { "fragment" },
+            c,
+            c as u32
+        )));
+    }
     let path = percent_encoding::percent_decode_str(rest)
         .decode_utf8()
         .map_err(|_| Error::invalid("the SQLite path is not valid UTF-8 once decoded"))?;
@@ -65,6 +76,12 @@ mod tests {
             })
         );
         assert!(parse("relative.db").is_err());
+        assert!(parse("/tmp/q.db?foo=bar").is_err());
+        assert!(parse("/tmp/q.db#x").is_err());
+        assert_eq!(
+            parse("/tmp/q%3F.db").ok().map(|u| u.path),
+            Some("/tmp/q?.db".into())
+        );
         assert!(parse("").is_ok());
     }
 }

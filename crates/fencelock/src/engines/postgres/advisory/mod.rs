@@ -18,7 +18,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
-use super::{advisory_key, Shared};
+use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, LossFeed, Renewal, Renewed};
 use crate::core::error::{Error, Result};
 use crate::core::holder::Holder;
@@ -60,16 +60,7 @@ impl Engine for AdvisoryEngine {
     }
 
     fn keys(&self, name: &str) -> Vec<(&'static str, String)> {
-        vec![
-            (
-                "advisory",
-                advisory_key(&self.shared.prefix, name).to_string(),
-            ),
-            (
-                "token row",
-                format!("fencelock_tokens.key = {}", self.shared.key(name)),
-            ),
-        ]
+        super::labelled_keys(super::url::PgMode::Advisory, &self.shared.prefix, name)
     }
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
