@@ -65,13 +65,17 @@ pub(super) async fn connect_client(
         }
         opts = opts.with_tls(t);
     }
+    let named = eps.join(",");
     let connect = etcd_client::Client::connect(eps, Some(opts));
     match tokio::time::timeout(op_timeout, connect).await {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => Err(etcd_error("connect", e)),
         Err(_) => Err(Error::engine_failure(
             KIND,
-            "no answer from etcd while connecting (authenticating); check that the cluster is up",
+            format!(
+                "no answer from etcd at {named} while connecting (authenticating); check that \
+                 the cluster is up"
+            ),
         )),
     }
 }
@@ -86,7 +90,7 @@ impl EtcdEngine {
         F: FnMut(etcd_client::Client) -> Fut,
         Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
     {
-        retrying(&self.client, self.op_timeout, what, f).await
+        retrying(&self.client, &self.endpoints, self.op_timeout, what, f).await
     }
 
     /// One read.
@@ -158,6 +162,7 @@ impl EtcdEngine {
 /// [`EtcdEngine::bounded`], for tasks that outlive the engine borrow.
 pub(super) async fn retrying<T, F, Fut>(
     client: &etcd_client::Client,
+    endpoints: &str,
     limit: Duration,
     what: &str,
     f: F,
@@ -168,7 +173,7 @@ where
 {
     tries(client, limit, f).await.map_err(|e| match e {
         Some(e) => etcd_error(what, e),
-        None => no_answer(what, limit),
+        None => no_answer(endpoints, what, limit),
     })
 }
 
@@ -203,11 +208,12 @@ fn unsent(e: &etcd_client::Error) -> bool {
     text.contains("tcp connect error") || text.contains("no leader")
 }
 
-fn no_answer(what: &str, limit: Duration) -> Error {
+fn no_answer(endpoints: &str, what: &str, limit: Duration) -> Error {
     Error::engine_failure(
         KIND,
         format!(
-            "no answer from etcd to {what} within {}; check that a majority of members is up",
+            "no answer from etcd at {endpoints} to {what} within {}; check that a majority of \
+             members is up",
             crate::core::options::display_duration(limit)
         ),
     )

@@ -35,6 +35,8 @@ pub(crate) struct EtcdEngine {
     client: etcd_client::Client,
     keys: Keys,
     op_timeout: Duration,
+    /// The endpoints as the URL gave them, for messages about a cluster that does not answer.
+    endpoints: String,
     /// Sessions by owner value.
     sessions: Mutex<HashMap<String, Session>>,
 }
@@ -90,6 +92,12 @@ impl EtcdEngine {
             client,
             keys: Keys { prefix },
             op_timeout: cfg.op_timeout,
+            endpoints: url
+                .endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             sessions: Mutex::new(HashMap::new()),
         })
     }

@@ -225,9 +225,11 @@ impl EtcdEngine {
         // Revoking the session removes whatever key is still attached to it, also one whose
         // creation was never answered. A lease that is already gone is not an error.
         let (client, limit, lease) = (self.client.clone(), self.op_timeout, s.lease);
+        let endpoints = self.endpoints.clone();
         let revoke = async move {
             let revoked = retrying(
                 &client,
+                &endpoints,
                 limit,
                 "revoke the session lease",
                 |mut c| async move { c.lease_revoke(lease).await },
