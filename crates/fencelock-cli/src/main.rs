@@ -37,9 +37,10 @@ pub mod exit {
     name = "fencelock",
     version,
     about = "Distributed locks with fencing tokens",
-    after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 75 held elsewhere \
-                  (or a forced release refused: the holder looks alive), 79 lease lost while \
-                  running; otherwise the command's own status."
+    after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 70 the command's \
+                  supervisor died (the command was killed), 75 held elsewhere (or a forced \
+                  release refused: the holder looks alive), 79 lease lost while running; \
+                  otherwise the command's own status."
 )]
 struct Cli {
     #[command(subcommand)]
