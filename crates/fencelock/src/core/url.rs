@@ -2,6 +2,8 @@
 //! redaction of passwords for messages. Each engine parses the rest of its own URL
 //! (`engines/<name>/url.rs`).
 
+use std::path::PathBuf;
+
 use crate::core::error::{Error, Result};
 
 /// One server address of a backend URL: a Redis node, an etcd endpoint.
@@ -43,6 +45,61 @@ pub(crate) fn decode(part: &str, what: &str) -> Result<String> {
         .decode_utf8()
         .map(|s| s.into_owned())
         .map_err(|_| Error::invalid(format!("the {what} in the backend URL is not valid UTF-8")))
+}
+
+/// The files a backend URL names for TLS, with `ca=`, `cert=` and `key=` (percent-encoded
+/// paths): the CA that signed the servers' certificates, and a client certificate and its key.
+#[derive(Debug, Default)]
+pub(crate) struct TlsFiles {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Reads the options of `query` (`a=b&c=d`), which may hold nothing else. `engine` names
+    /// the URL's kind in messages, `tls_scheme` the scheme(s) that connect over TLS; the
+    /// options are refused without TLS, and a certificate without its key or the reverse.
+    pub(crate) fn parse(
+        query: &str,
+        engine: &str,
+        tls: bool,
+        tls_scheme: &str,
+    ) -> Result<TlsFiles> {
+        let mut files = TlsFiles::default();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let slot = match k {
+                "ca" => &mut files.ca,
+                "cert" => &mut files.cert,
+                "key" => &mut files.key,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "unknown {engine} URL option {other:?}; the options are ca, cert and key"
+                    )))
+                }
+            };
+            if v.is_empty() {
+                return Err(Error::invalid(format!(
+                    "the {engine} URL option {k:?} needs a file path"
+                )));
+            }
+            *slot = Some(PathBuf::from(decode(v, "TLS file path")?));
+        }
+        let named = files.ca.is_some() || files.cert.is_some() || files.key.is_some();
+        if !tls && named {
+            return Err(Error::invalid(format!(
+                "ca, cert and key are TLS options: use {tls_scheme} to connect over TLS"
+            )));
+        }
+        if files.cert.is_some() != files.key.is_some() {
+            return Err(Error::invalid(
+                "a client certificate needs its key and a key its certificate: give both cert \
+                 and key",
+            ));
+        }
+        Ok(files)
+    }
 }
 
 /// Parses `host`, `host:port`, `[v6]` or `[v6]:port`, with `default_port` when none is given.

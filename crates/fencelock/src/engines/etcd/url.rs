@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use crate::core::error::{Error, Result};
-use crate::core::url::{decode, parse_host_port, HostPort};
+use crate::core::url::{decode, parse_host_port, HostPort, TlsFiles};
 
 /// etcd's client port, used for endpoints written without one.
 const DEFAULT_PORT: u16 = 2379;
@@ -59,38 +59,8 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<EtcdUrl> {
         .split(',')
         .map(|h| parse_host_port(h, DEFAULT_PORT))
         .collect::<Result<Vec<_>>>()?;
-    let (mut ca, mut cert, mut key) = (None, None, None);
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let path = PathBuf::from(decode(v, "TLS file path")?);
-        if v.is_empty() {
-            return Err(Error::invalid(format!(
-                "the etcd URL option {k:?} needs a file path"
-            )));
-        }
-        let slot = match k {
-            "ca" => &mut ca,
-            "cert" => &mut cert,
-            "key" => &mut key,
-            other => {
-                return Err(Error::invalid(format!(
-                    "unknown etcd URL option {other:?}; the options are ca, cert and key"
-                )))
-            }
-        };
-        *slot = Some(path);
-    }
     let tls = scheme == "etcds";
-    if !tls && (ca.is_some() || cert.is_some() || key.is_some()) {
-        return Err(Error::invalid(
-            "ca, cert and key are TLS options: use etcds:// to connect over TLS",
-        ));
-    }
-    if cert.is_some() != key.is_some() {
-        return Err(Error::invalid(
-            "a client certificate needs its key and a key its certificate: give both cert and key",
-        ));
-    }
+    let TlsFiles { ca, cert, key } = TlsFiles::parse(query.unwrap_or(""), "etcd", tls, "etcds://")?;
     Ok(EtcdUrl {
         tls,
         endpoints,

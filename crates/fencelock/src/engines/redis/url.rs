@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use crate::core::error::{Error, Result};
-use crate::core::url::{decode, distinct_nodes, parse_host_port, HostPort};
+use crate::core::url::{decode, distinct_nodes, parse_host_port, HostPort, TlsFiles};
 
 /// Redis' port, used for nodes written without one.
 const DEFAULT_PORT: u16 = 6379;
@@ -173,36 +173,8 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<RedisUrl> {
         .collect::<Result<Vec<_>>>()?;
     let quorum = matches!(scheme, "redlock" | "redlocks");
     let tls = matches!(scheme, "rediss" | "redlocks");
-    let (mut ca, mut cert, mut key) = (None, None, None);
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let slot = match k {
-            "ca" => &mut ca,
-            "cert" => &mut cert,
-            "key" => &mut key,
-            other => {
-                return Err(Error::invalid(format!(
-                    "unknown Redis URL option {other:?}; the options are ca, cert and key"
-                )))
-            }
-        };
-        if v.is_empty() {
-            return Err(Error::invalid(format!(
-                "the Redis URL option {k:?} needs a file path"
-            )));
-        }
-        *slot = Some(PathBuf::from(decode(v, "TLS file path")?));
-    }
-    if !tls && (ca.is_some() || cert.is_some() || key.is_some()) {
-        return Err(Error::invalid(
-            "ca, cert and key are TLS options: use rediss:// (or redlocks://) to connect over TLS",
-        ));
-    }
-    if cert.is_some() != key.is_some() {
-        return Err(Error::invalid(
-            "a client certificate needs its key and a key its certificate: give both cert and key",
-        ));
-    }
+    let TlsFiles { ca, cert, key } =
+        TlsFiles::parse(query, "Redis", tls, "rediss:// (or redlocks://)")?;
     if quorum && (nodes.len() < 3 || nodes.len() % 2 == 0) {
         return Err(Error::invalid(format!(
             "redlock needs an odd number of at least 3 independent nodes, got {}",
