@@ -53,7 +53,7 @@ pub struct Supervision {
 }
 
 /// Signals that fencelock passes on to the command instead of acting on them.
-const FORWARDED: [Signal; 9] = [
+pub(super) const FORWARDED: [Signal; 9] = [
     Signal::SIGHUP,
     Signal::SIGINT,
     Signal::SIGQUIT,

@@ -46,23 +46,11 @@ pub struct WorkerArgs {
     command: Vec<String>,
 }
 
-/// Signals the supervisor takes through its signalfd instead of their default actions:
-/// SIGCHLD to reap, the rest so that none of them can stop or kill it (it shares fencelock's
-/// process group, which a terminal or `kill -- -PGID` may signal as a whole).
-const HANDLED: [Signal; 12] = [
-    Signal::SIGCHLD,
-    Signal::SIGHUP,
-    Signal::SIGINT,
-    Signal::SIGQUIT,
-    Signal::SIGTERM,
-    Signal::SIGUSR1,
-    Signal::SIGUSR2,
-    Signal::SIGALRM,
-    Signal::SIGWINCH,
-    Signal::SIGTSTP,
-    Signal::SIGTTIN,
-    Signal::SIGTTOU,
-];
+/// Signals the supervisor takes through its signalfd instead of their default actions: every
+/// one fencelock forwards, and these three, so that none can stop or kill it (it shares
+/// fencelock's process group, which a terminal or `kill -- -PGID` may signal as a whole);
+/// SIGCHLD to reap.
+const HANDLED_TOO: [Signal; 3] = [Signal::SIGCHLD, Signal::SIGTTIN, Signal::SIGTTOU];
 
 const MS: i64 = 1_000_000;
 
@@ -100,7 +88,7 @@ pub fn worker(args: WorkerArgs) -> u8 {
         return 70;
     }
     let mut mask = SigSet::empty();
-    for s in HANDLED {
+    for s in super::FORWARDED.into_iter().chain(HANDLED_TOO) {
         mask.add(s);
     }
     if mask.thread_block().is_err() {
