@@ -137,10 +137,14 @@ pub use crate::core::lease::{Lease, LostSignal};
 pub use crate::core::name::{validate_name, MAX_NAME_BYTES};
 pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};
+#[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
+pub use crate::core::tls::TlsSession;
 pub use crate::core::token::FencingToken;
 pub use crate::core::url::{redact_url, HostPort};
 #[cfg(feature = "etcd")]
 pub use crate::engines::etcd::url::EtcdUrl;
+#[cfg(feature = "postgres")]
+pub use crate::engines::postgres::privileges::{PgPrivilege, PG_OBJECTS};
 #[cfg(feature = "postgres")]
 pub use crate::engines::postgres::url::{PgMode, PgTls, PostgresUrl, SslMode};
 #[cfg(feature = "redis")]

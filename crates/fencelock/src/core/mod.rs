@@ -18,7 +18,7 @@ pub(crate) mod name;
 pub(crate) mod options;
 pub(crate) mod records;
 pub(crate) mod sql;
-#[cfg(any(feature = "redis", feature = "postgres"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
 pub(crate) mod tls;
 pub(crate) mod token;
 pub(crate) mod url;

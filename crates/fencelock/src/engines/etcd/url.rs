@@ -28,6 +28,43 @@ pub struct EtcdUrl {
     pub key: Option<PathBuf>,
 }
 
+impl EtcdUrl {
+    /// A client of the cluster, with the URL's credentials and TLS files as the engine uses
+    /// them: for tools that make their own calls (diagnostics). It connects lazily; its calls
+    /// have no deadline of their own.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for TLS files that cannot
+    /// be read; [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the cluster cannot be
+    /// reached or refuses the credentials within `timeout`.
+    pub async fn connect(&self, timeout: std::time::Duration) -> Result<etcd_client::Client> {
+        super::call::connect_client(self, timeout).await
+    }
+
+    /// Over TLS (`etcds://`), one handshake with endpoint `endpoint` (its index in
+    /// [`endpoints`](Self::endpoints)), verified against `ca=` (or the system's roots) and
+    /// the host name, on a connection of its own: what `fencelock doctor` reports. `None`
+    /// without TLS.
+    ///
+    /// # Errors
+    /// As [`RedisUrl::tls_session`](crate::RedisUrl::tls_session).
+    pub async fn tls_session(
+        &self,
+        endpoint: usize,
+        limit: std::time::Duration,
+    ) -> Result<Option<crate::core::tls::TlsSession>> {
+        let Some(n) = self.endpoints.get(endpoint).filter(|_| self.tls) else {
+            return Ok(None);
+        };
+        let files = crate::core::tls::Verified {
+            ca: self.ca.as_deref(),
+            cert: self.cert.as_deref(),
+            key: self.key.as_deref(),
+        };
+        crate::core::tls::handshake(n, files, limit).await.map(Some)
+    }
+}
+
 /// Parses what follows `etcd://` or `etcds://`.
 pub(crate) fn parse(scheme: &str, rest: &str) -> Result<EtcdUrl> {
     let (main, query) = match rest.split_once('?') {

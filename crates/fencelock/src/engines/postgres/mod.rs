@@ -44,6 +44,7 @@
 
 mod advisory;
 mod lease;
+pub(crate) mod privileges;
 mod tls;
 pub(crate) mod url;
 
@@ -467,7 +468,18 @@ fn param(v: &SqlValue) -> &(dyn ToSql + Sync) {
 
 /// Creates the tables once; concurrent first clients wait for each other on a transaction
 /// advisory lock rather than race on the catalog.
+///
+/// `CREATE ... IF NOT EXISTS` needs the `CREATE` privilege on the schema even when the object
+/// exists, so a role granted only what it uses would be refused: the objects are looked up
+/// first (with the simple protocol, which transaction poolers pass through).
 async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgres::Error> {
+    let exists = client.simple_query(&privileges::all_exist_sql()).await?;
+    let all = exists
+        .iter()
+        .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("t")));
+    if all {
+        return Ok(());
+    }
     let lock = advisory_key("fencelock:", "schema");
     client
         .batch_execute(&format!(

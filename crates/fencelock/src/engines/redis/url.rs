@@ -109,6 +109,31 @@ impl RedisUrl {
             .collect()
     }
 
+    /// Over TLS (`rediss://`, `redlocks://`), one handshake with node `node` (its index in
+    /// [`nodes`](Self::nodes)), verified as the engine verifies it (chain against `ca=` or the
+    /// system's roots, and the host name), on a connection of its own: what
+    /// `fencelock doctor` reports. `None` without TLS.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for TLS files that cannot
+    /// be read; [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the handshake fails or
+    /// takes longer than `limit`.
+    pub async fn tls_session(
+        &self,
+        node: usize,
+        limit: std::time::Duration,
+    ) -> Result<Option<crate::core::tls::TlsSession>> {
+        let Some(n) = self.nodes.get(node).filter(|_| self.tls) else {
+            return Ok(None);
+        };
+        let files = crate::core::tls::Verified {
+            ca: self.ca.as_deref(),
+            cert: self.cert.as_deref(),
+            key: self.key.as_deref(),
+        };
+        crate::core::tls::handshake(n, files, limit).await.map(Some)
+    }
+
     /// The TLS files, read once for every node.
     fn tls_files(&self) -> Result<Option<redis::TlsCertificates>> {
         use crate::core::tls::read_pem;
