@@ -102,7 +102,10 @@ impl Node {
                 "{}: authentication failed ({e}); check the user and password",
                 self.addr
             )),
-            Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
+            Ok(Err(e)) => match scripting_refusal(&e) {
+                Some(why) => Err(format!("{}: {why}", self.addr)),
+                None => Err(format!("{}: {e}", self.addr)),
+            },
             Err(_) => Err(format!(
                 "{}: no answer within {}",
                 self.addr,
@@ -149,4 +152,33 @@ impl Node {
 pub(super) fn is_auth_failure(e: &redis::RedisError) -> bool {
     e.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
+/// The scripting commands the engine runs (the driver sends a script by its digest and loads
+/// it when the node does not know it yet) refused by the node: renamed away in its
+/// configuration (`rename-command`) or denied by its ACL. Said as such, since the node's own
+/// message quotes the script's digest and keys and names no cause.
+pub(super) fn scripting_refusal(e: &redis::RedisError) -> Option<String> {
+    let text = e.to_string();
+    let lower = text.to_ascii_lowercase();
+    let command = ["evalsha", "script"]
+        .into_iter()
+        .find(|c| lower.contains(&format!("'{c}")))?;
+    let command = if command == "script" {
+        "SCRIPT LOAD"
+    } else {
+        "EVALSHA"
+    };
+    let why = if lower.contains("unknown command") {
+        format!(
+            "this server has no {command} command (renamed or disabled by rename-command in its              configuration)"
+        )
+    } else if e.code() == Some("NOPERM") {
+        format!("this user may not run {command} (the server's ACL)")
+    } else {
+        return None;
+    };
+    Some(format!(
+        "{why}; fencelock runs every lock operation as a server-side script and needs          EVALSHA and SCRIPT LOAD (`fencelock doctor` checks a server)"
+    ))
 }
