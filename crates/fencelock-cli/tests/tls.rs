@@ -73,6 +73,14 @@ fn redis_and_redlock_over_mutual_tls_and_every_refusal_is_clear() {
     doctor.args(["doctor", "--backend", &url]);
     let out = sb.run(doctor);
     assert!(out.stdout.contains("reachable, Redis"), "doctor: {out:?}");
+    assert!(
+        out.stdout.contains("ok    TLS 1.3 (")
+            && out.stdout.contains(&format!(
+                "); server certificate verified: chain against ca={}, name 127.0.0.1",
+                tls.ca.display()
+            )),
+        "doctor: {out:?}"
+    );
     assert_no_key_in("doctor", &format!("{}{}", out.stdout, out.stderr), &keys);
 
     // Redlock over three TLS nodes.
@@ -166,6 +174,28 @@ fn postgres_over_tls_with_verify_full_and_disable_refused_by_the_server() {
         inspect.args(["inspect", "--backend", &url, "job"]);
         assert_eq!(sb.run(inspect).code(), Some(0), "inspect on {url}");
     }
+    // The doctor reports the version the session negotiated and how the server was verified.
+    let mut doctor = sb.bare();
+    doctor.args(["doctor", "--backend", &full]);
+    let out = sb.run(doctor);
+    assert_eq!(out.code(), Some(0), "doctor: {out:?}");
+    assert!(
+        out.stdout.contains("ok    TLS 1.3 (")
+            && out.stdout.contains(&format!(
+                "); server certificate verified: chain against sslrootcert={}, host name \
+                 (sslmode=verify-full)",
+                tls.ca.display()
+            )),
+        "doctor: {out:?}"
+    );
+    let mut doctor = sb.bare();
+    doctor.args(["doctor", "--backend", &format!("{base}?sslmode=require")]);
+    let out = sb.run(doctor);
+    assert!(
+        out.stdout
+            .contains("note  server certificate NOT verified (sslmode=prefer or require"),
+        "doctor: {out:?}"
+    );
     let started = Instant::now();
     let out = run_prints_token(&sb, &format!("{base}?sslmode=disable"));
     assert_eq!(out.code(), Some(UNAVAILABLE), "sslmode=disable: {out:?}");
