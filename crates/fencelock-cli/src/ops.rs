@@ -122,14 +122,38 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
         .await
         .map_err(fail)?
     {
-        Some(r) if args.json => println!("{}", record_json(&r)),
-        Some(r) => println!(
-            "{}: force-released from {}; fencing counter now {}, so the old token is stale; \
-             recorded in the audit log",
-            shown(&r.resource),
-            r.holder,
-            r.counter
-        ),
+        Some(r) if args.json => {
+            let nodes: Vec<String> = r
+                .not_released_on
+                .iter()
+                .map(|n| crate::json::string(n))
+                .collect();
+            let record = record_json(&r);
+            // The record's object, with the nodes that did not release it (Redlock).
+            let body = record.strip_suffix('}').unwrap_or(&record);
+            println!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
+        }
+        Some(r) => {
+            println!(
+                "{}: force-released from {}; fencing counter now {}, so the old token is \
+                 stale; recorded in the audit log",
+                shown(&r.resource),
+                r.holder,
+                r.counter
+            );
+            if !r.not_released_on.is_empty() {
+                eprintln!(
+                    "fencelock: {}: released and recorded on a majority of the nodes, so the \
+                     lock is free; NOT released nor recorded on {} node(s), where the old \
+                     holder's key stays until its TTL ends:",
+                    shown(&r.resource),
+                    r.not_released_on.len()
+                );
+                for n in &r.not_released_on {
+                    eprintln!("  {}", shown(n));
+                }
+            }
+        }
         None if args.json => println!(
             "{}",
             object(&[

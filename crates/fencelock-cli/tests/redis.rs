@@ -142,3 +142,132 @@ fn a_forced_release_that_cannot_write_its_audit_record_deletes_nothing() {
     assert_eq!(String::from_utf8_lossy(&audit.stdout).trim(), "0");
     assert!(!holder.exited(), "the holder lost its lock");
 }
+
+/// `fencelock run --ttl 30s NAME` on `url`, holding the lock until stopped.
+fn hold_name(url: &str, name: &str, dir: &tempfile::TempDir) -> fencelock_testkit::Proc {
+    let ready = dir.path().join(format!("{name}.ready"));
+    let script = format!("touch {}; exec sleep 100", ready.display());
+    let child = fencelock_at(
+        url,
+        &["run", "--ttl", "30s", name, "--", "sh", "-c", &script],
+    )
+    .spawn()
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || ready.exists()));
+    child
+}
+
+fn cli_text(node: &RedisServer, args: &[&str]) -> String {
+    let out = node.cli(args).unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Redlock: nodes whose ACL refuses the audit write (`XADD`) release nothing; the others
+/// release and record together. With a majority left the lock is free and the refusing node
+/// is named; with a majority refusing the lock stays held and the error names every node.
+#[test]
+fn a_redlock_forced_release_refused_by_some_nodes_names_them() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let url = redlock_url(&nodes);
+    let dir = tempfile::tempdir().unwrap();
+    let _a = hold_name(&url, "a", &dir);
+    let _b = hold_name(&url, "b", &dir);
+    let _c = hold_name(&url, "c", &dir);
+    for node in &nodes[1..] {
+        let acl = node.cli(&["ACL", "SETUSER", "default", "-xadd"]).unwrap();
+        assert!(acl.status.success(), "{acl:?}");
+    }
+    let release = |name: &str| {
+        fencelock_at(
+            &url,
+            &[
+                "release",
+                "--force",
+                "--holder-is-dead",
+                "--reason",
+                "test",
+                name,
+            ],
+        )
+        .run(FINISH)
+        .unwrap()
+    };
+
+    // Two of three nodes refuse: one released and recorded, the lock still held.
+    let out = release("a");
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    let said = &out.stderr;
+    assert!(said.contains("done on too few nodes"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "released and recorded on {} only",
+            nodes[0].addr()
+        )),
+        "{said}"
+    );
+    for node in &nodes[1..] {
+        assert!(said.contains(&format!("{}: NoPerm", node.addr())), "{said}");
+    }
+    assert!(said.contains("XADD"), "{said}");
+    let shown = fencelock_at(&url, &["inspect", "a"]).run(FINISH).unwrap();
+    assert!(shown.stdout.starts_with("a: held by"), "{shown:?}");
+    let lock = "fencelock:v1:lock:a";
+    assert_eq!(cli_text(&nodes[0], &["EXISTS", lock]), "0");
+    for node in &nodes[1..] {
+        assert_eq!(cli_text(node, &["EXISTS", lock]), "1", "{}", node.addr());
+        assert_eq!(cli_text(node, &["XLEN", "fencelock:v1:audit"]), "0");
+    }
+    assert_eq!(cli_text(&nodes[0], &["XLEN", "fencelock:v1:audit"]), "1");
+
+    // One node refuses: a majority released and recorded it, and the refusing node is named.
+    let ok = nodes[2]
+        .cli(&["ACL", "SETUSER", "default", "+xadd"])
+        .unwrap();
+    assert!(ok.status.success(), "{ok:?}");
+    let out = release("b");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains("b: force-released"), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("NOT released nor recorded on 1 node(s)"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains(&format!("  {}: NoPerm", nodes[1].addr())),
+        "{}",
+        out.stderr
+    );
+    let shown = fencelock_at(&url, &["inspect", "b"]).run(FINISH).unwrap();
+    assert!(shown.stdout.starts_with("b: free"), "{shown:?}");
+    let lock = "fencelock:v1:lock:b";
+    assert_eq!(cli_text(&nodes[1], &["EXISTS", lock]), "1");
+    assert_eq!(cli_text(&nodes[1], &["XLEN", "fencelock:v1:audit"]), "0");
+    for node in [&nodes[0], &nodes[2]] {
+        assert_eq!(cli_text(node, &["EXISTS", lock]), "0", "{}", node.addr());
+    }
+    assert_eq!(cli_text(&nodes[2], &["XLEN", "fencelock:v1:audit"]), "1");
+    let out = fencelock_at(
+        &url,
+        &[
+            "release",
+            "--force",
+            "--holder-is-dead",
+            "--reason",
+            "t",
+            "--json",
+            "c",
+        ],
+    )
+    .run(FINISH)
+    .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains(&format!(
+            "\"not_released_on\":[\"{}: NoPerm",
+            nodes[1].addr()
+        )),
+        "{out:?}"
+    );
+}

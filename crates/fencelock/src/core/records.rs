@@ -44,6 +44,12 @@ pub struct AuditRecord {
     /// The fencing counter after the release (the *mark*): above the old holder's token, and
     /// below every token granted afterwards.
     pub counter: FencingToken,
+    /// Redlock, in the record a forced release returns: the nodes where nothing was released
+    /// nor recorded, each with why (its ACL refused a command the release writes with, it did
+    /// not answer). The others, a majority, released the lock and recorded it, so it is free;
+    /// on the nodes named here the old holder's key stays until its TTL ends. Empty on every
+    /// other engine, and in records read back from the log.
+    pub not_released_on: Vec<String>,
 }
 
 impl AuditRecord {
@@ -96,6 +102,7 @@ impl AuditRecord {
             assessment: text("assessment").unwrap_or_default(),
             holder,
             counter: number("counter").map_or(FencingToken::new(0), FencingToken::from_stored),
+            not_released_on: Vec::new(),
         })
     }
 }

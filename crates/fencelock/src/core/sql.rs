@@ -110,6 +110,7 @@ pub(crate) fn audit_record<R: SqlRow + ?Sized>(
         assessment: r.text(7)?,
         holder: holder_from(r, AUDIT_HOLDER_AT)?,
         counter: FencingToken::from_stored(r.int(AUDIT_HOLDER_AT + 8)?),
+        not_released_on: Vec::new(),
     })
 }
 
@@ -215,6 +216,7 @@ mod tests {
             assessment: String::new(),
             holder,
             counter: FencingToken::new(1),
+            not_released_on: Vec::new(),
         };
         let values = audit_values("p:r", &record);
         assert_eq!(values.len(), columns(AUDIT_COLUMNS).len());
@@ -292,6 +294,7 @@ mod tests {
                         assessment,
                         holder,
                         counter: FencingToken::from_stored(counter),
+                        not_released_on: Vec::new(),
                     }
                 },
             )

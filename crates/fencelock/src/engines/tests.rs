@@ -30,6 +30,7 @@ fn draft(name: &str) -> AuditRecord {
         assessment: "a".into(),
         holder: Holder::bare("o".into()),
         counter: FencingToken::new(0),
+        not_released_on: Vec::new(),
     }
 }
 

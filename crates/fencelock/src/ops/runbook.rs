@@ -341,8 +341,11 @@ impl Client {
     /// A lock that changed hands after the inspection is not touched: the call fails with
     /// [`ErrorKind::HeldByAnother`] naming the new holder.
     ///
-    /// On Redlock the release goes to every node and needs a majority to answer; the counter
-    /// ends at or above the mark on a majority.
+    /// On Redlock the release goes to every node and needs a majority to release the lock (or
+    /// find it gone); the counter ends at or above the mark on a majority. On each node the
+    /// release and its audit record happen together or not at all; the nodes that did neither
+    /// (refused, silent) are named in [`AuditRecord::not_released_on`], or, when they are so
+    /// many that the old holder still has a majority, in the error.
     ///
     /// Cancel safety: dropping the future after the release was sent may leave it done (and
     /// recorded) or not done; on each node it is all or nothing.
@@ -401,6 +404,7 @@ impl Client {
             assessment: assessment.reason,
             holder: old,
             counter: FencingToken::new(0),
+            not_released_on: Vec::new(),
         };
         let done = inner
             .calls

@@ -13,8 +13,12 @@
 //!   record, atomically. On Redlock the floor is the client's clock, as for grants, so healthy
 //!   nodes agree on one mark; where they do not, the counter is then raised to the highest
 //!   mark on a majority, so every later grant (whose majority meets that one) is above it.
-//!   The release needs a majority of nodes to answer: then the old owner holds the key on a
-//!   minority at most.
+//!   The release needs a majority of nodes to answer (releasing, or finding the key gone):
+//!   then the old owner holds the key on a minority at most. A node whose ACL refuses a
+//!   command the script writes with (`XADD` for the audit record) refuses before the first
+//!   write, so on each node the release and its record happen together or not at all; the
+//!   nodes that did neither are named, in the returned record when the others were a
+//!   majority, else in the error.
 //! - **The audit log** is a stream capped near [`AUDIT_MAX_LEN`] entries on each node. Redlock
 //!   merges the nodes' logs by record id, keeping the highest mark a node recorded.
 
@@ -208,11 +212,23 @@ impl RedisEngine {
             Ok(Some((c, holder)))
         });
         if released.too_few_answered() {
+            let done = released.nodes_where(Option::is_some);
+            let done = if done.is_empty() {
+                "nothing was released on any node".to_owned()
+            } else {
+                format!(
+                    "released and recorded on {} only; the others still hold it for the old \
+                     holder",
+                    done.join(", ")
+                )
+            };
             return Err(Error::engine_failure(
                 self.kind,
                 format!(
-                    "the forced release reached only {} of {} nodes (quorum {}), so the \
-                     lock may still be held on a majority; run it again: {}",
+                    "the forced release was done on too few nodes: {} of {} answered (quorum \
+                     {}), so the lock may still be held on a majority; {done}. Not released \
+                     on: {}. Fix what those nodes refused (a user that may not XADD cannot \
+                     write the audit record) or wait until they answer, then run it again",
                     released.answered(),
                     self.nodes.len(),
                     self.quorum,
@@ -246,6 +262,15 @@ impl RedisEngine {
             record.holder = seen.clone();
         }
         record.counter = FencingToken::new(mark);
+        // A majority released and recorded it; the others did neither, and are named.
+        record.not_released_on = released.errors();
+        if !record.not_released_on.is_empty() {
+            tracing::warn!(
+                resource = name,
+                nodes = %released.errors_text(),
+                "forced release not done on every node"
+            );
+        }
         Ok(Some(record))
     }
 

@@ -148,6 +148,17 @@ impl<'a, T> Tally<'a, T> {
         }
     }
 
+    /// The addresses of the nodes that answered so, in node order.
+    pub(super) fn nodes_where(&self, so: impl Fn(&T) -> bool) -> Vec<&'a str> {
+        let engine: &'a RedisEngine = self.engine;
+        self.answers
+            .iter()
+            .zip(&engine.nodes)
+            .filter(|(a, _)| matches!(a, Ok(v) if so(v)))
+            .map(|(_, n)| n.addr.as_str())
+            .collect()
+    }
+
     /// How many nodes answered at all, counted or not.
     pub(super) fn answered(&self) -> usize {
         self.answers.iter().filter(|a| a.is_ok()).count()
