@@ -298,4 +298,17 @@ fn etcd_without_authentication_is_flagged_and_with_it_is_not() {
         "{text}"
     );
     assert!(warnings(&text).is_empty(), "{text}");
+
+    // Over TLS: the version negotiated and the verified certificate, per endpoint.
+    let certs = tempfile::tempdir().unwrap();
+    let tls = fencelock_testkit::EtcdTls::generate(certs.path()).unwrap();
+    let secure = EtcdCluster::start_tls(1, &tls).unwrap();
+    let (out, text) = doctor(&["--backend", &secure.url()]);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("ok    TLS 1."), "{text}");
+    assert!(
+        text.contains("); server certificate verified: chain against ca="),
+        "{text}"
+    );
+    assert!(!text.contains("plaintext"), "{text}");
 }

@@ -100,6 +100,14 @@ fn redis_and_redlock_over_mutual_tls_and_every_refusal_is_clear() {
     );
     let out = run_prints_token(&sb, &redlocks);
     assert_eq!(out.code(), Some(0), "run over redlocks://: {out:?}");
+    let mut doctor = sb.bare();
+    doctor.args(["doctor", "--backend", &redlocks]);
+    let out = sb.run(doctor);
+    assert_eq!(
+        out.stdout.matches("); server certificate verified").count(),
+        3,
+        "doctor on redlocks://: {out:?}"
+    );
     // Every node ran fencelock's scripts, and a node has no other port than its TLS one.
     for node in &nodes {
         let stats = node.cli(&["INFO", "commandstats"]).unwrap();
