@@ -113,7 +113,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
         #[cfg(feature = "redis")]
         fencelock::Backend::Redis(u) => redis::redis_nodes(u, &mut f).await,
         #[cfg(feature = "postgres")]
-        fencelock::Backend::Postgres(u) => postgres::postgres(u, &mut f).await,
+        fencelock::Backend::Postgres(u) => postgres::postgres(u, &mut f).await?,
         _ => {}
     }
     ttl::ttl_advice(&args, &mut f).await;

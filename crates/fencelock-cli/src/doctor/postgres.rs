@@ -8,14 +8,16 @@ use tokio_postgres::{Client, SimpleQueryMessage};
 
 use super::{median, net, Finding, Findings, ANSWER_WITHIN};
 
-pub(super) async fn postgres(url: &PostgresUrl, f: &mut Findings) {
+pub(super) async fn postgres(url: &PostgresUrl, f: &mut Findings) -> anyhow::Result<()> {
     println!("server");
     let started = Instant::now();
     let client = match url.connect(ANSWER_WITHIN).await {
         Ok(c) => c,
+        // A TLS file that cannot be read is the URL's fault, not the server's: exit 64.
+        Err(e) if e.kind() == fencelock::ErrorKind::InvalidInput => return Err(crate::fail(e)),
         Err(e) => {
             f.unreachable_node(&format!("unreachable: {e}"));
-            return;
+            return Ok(());
         }
     };
     let connected = started.elapsed();
@@ -23,6 +25,7 @@ pub(super) async fn postgres(url: &PostgresUrl, f: &mut Findings) {
         Ok(findings) => f.add_all(findings),
         Err(e) => f.unreachable_node(&format!("the server stopped answering: {e}")),
     }
+    Ok(())
 }
 
 /// One row of a simple query, as text (`None` for NULL); the simple protocol passes through

@@ -158,7 +158,10 @@ pub(crate) async fn handshake(
         Err(_) => {
             return Err(Error::new(
                 crate::core::error::ErrorKind::Engine,
-                format!("{node}: no TLS handshake within {limit:?}"),
+                format!(
+                    "{node}: no TLS handshake within {}",
+                    crate::core::options::display_duration(limit)
+                ),
             ))
         }
     };
