@@ -290,6 +290,13 @@ fn etcd_without_authentication_is_flagged_and_with_it_is_not() {
         let out = cluster.ctl(args).unwrap();
         assert!(out.status.success(), "{args:?}: {out:?}");
     }
+    // Without credentials the cluster refuses every read: said so, and exit 69.
+    let (out, text) = doctor(&["--backend", &cluster.url()]);
+    assert_eq!(out.status.code(), Some(69), "{text}");
+    assert!(
+        text.contains("refused the read, as authentication is on"),
+        "{text}"
+    );
     let with_root = cluster.url().replace("etcd://", "etcd://root:rootpw@");
     let (out, text) = doctor(&["--backend", &with_root]);
     assert_eq!(out.status.code(), Some(0), "{text}");

@@ -17,7 +17,16 @@ pub(super) async fn etcd(args: &DoctorArgs, url: &fencelock::EtcdUrl, f: &mut Fi
             crate::human_duration(started.elapsed())
         )),
         Err(e) => {
-            f.unreachable_node(&format!("unreachable: {e}"));
+            let text = e.to_string();
+            if AUTH_REFUSALS.iter().any(|m| text.contains(m)) {
+                f.unreachable_node(&format!(
+                    "the cluster refused the read, as authentication is on: {text}; give the \
+                     user and password of a role that may use the prefix \
+                     (etcd://user:password@...)"
+                ));
+            } else {
+                f.unreachable_node(&format!("unreachable: {text}"));
+            }
             client.close().await;
             return;
         }
@@ -71,6 +80,13 @@ pub(super) async fn etcd(args: &DoctorArgs, url: &fencelock::EtcdUrl, f: &mut Fi
     }
     f.note("tokens are etcd revisions; lease TTLs are whole seconds (rounded up)");
 }
+
+/// What etcd says to a call that lacks the credentials authentication requires.
+const AUTH_REFUSALS: [&str; 3] = [
+    "user name is empty",
+    "permission denied",
+    "invalid auth token",
+];
 
 /// What the answer to a user listing without credentials says about authentication: `Ok(None)`
 /// when the doctor authenticated as `user` itself, `Ok(Some(false))` when the listing was
