@@ -80,7 +80,8 @@ enum Command {
     Release(ops::ReleaseArgs),
     /// Show the audit log of forced releases, newest first.
     Audit(ops::AuditArgs),
-    /// Check a backend: reachability, latency, clocks, unsafe settings, TTL advice.
+    /// Check a backend: reachability, latency, clocks, unsafe settings, what fencelock needs of
+    /// the server (scripting, privileges), security (TLS, authentication), TTL advice.
     Doctor(doctor::DoctorArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
