@@ -42,6 +42,7 @@
 //! Both modes create their tables on first use, record forced releases in `fencelock_audit`,
 //! and advance the counter there at the same time.
 
+pub(crate) mod acl;
 mod advisory;
 mod lease;
 mod tls;
@@ -467,7 +468,31 @@ fn param(v: &SqlValue) -> &(dyn ToSql + Sync) {
 
 /// Creates the tables once; concurrent first clients wait for each other on a transaction
 /// advisory lock rather than race on the catalog.
+///
+/// When every table and index already exists, nothing is created: a role confined by `fencelock
+/// acl` has no CREATE privilege, and `CREATE ... IF NOT EXISTS` checks the privilege before it
+/// looks for the table.
 async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgres::Error> {
+    let names: Vec<&str> = SCHEMA
+        .split(';')
+        .filter_map(|s| {
+            let s = s.trim();
+            s.strip_prefix("CREATE TABLE IF NOT EXISTS ")
+                .or_else(|| s.strip_prefix("CREATE INDEX IF NOT EXISTS "))
+        })
+        .filter_map(|rest| rest.split_whitespace().next())
+        .collect();
+    let present: bool = client
+        .query_one(
+            "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) n",
+            &[&names],
+        )
+        .await?
+        .try_get::<_, Option<bool>>(0)?
+        .unwrap_or(false);
+    if present {
+        return Ok(());
+    }
     let lock = advisory_key("fencelock:", "schema");
     client
         .batch_execute(&format!(

@@ -90,6 +90,17 @@ impl Node {
         self.bounded(cmd.query_async::<T>(&mut conn), limit).await
     }
 
+    /// Runs a pipeline (a transaction, when atomic) with a deadline; errors become text naming
+    /// the node.
+    pub(super) async fn query_pipe<T: redis::FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        self.bounded(pipe.query_async::<T>(&mut conn), limit).await
+    }
+
     /// Waits for one request to this node with a deadline; errors become text naming the node.
     async fn bounded<T>(
         &self,
