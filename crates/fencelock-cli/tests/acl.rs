@@ -205,6 +205,7 @@ fn redis_user_runs_every_command_and_the_list_is_what_they_use() {
         "--holder-is-dead",
         "r",
     ]));
+    std::fs::write(dir.path().join("release-r"), "").unwrap();
     let _ = h.wait(FINISH);
     assert!(ok(&mut at(&["audit"])).contains("acl test"));
     ok(&mut at(&["elect", "e", "--", "true"]));
@@ -289,4 +290,173 @@ fn redis_users_are_confined_to_their_prefix_and_the_read_only_one_cannot_lock() 
     assert!(out.contains("NOPERM"), "{out}");
     std::fs::write(dir.path().join("release-held"), "").unwrap();
     assert!(h.wait(FINISH).unwrap().status.success());
+}
+
+/// etcd with client certificates and `auth enable`: the roles `fencelock acl` printed, applied
+/// with `etcdctl` as root, let the user lock under its prefix and nowhere else, and the
+/// read-only user inspect and list but not lock.
+#[test]
+fn etcd_roles_confine_the_user_to_its_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = fencelock_testkit::TestTls::generate(dir.path()).unwrap();
+    let cluster = fencelock_testkit::EtcdCluster::start_tls(1, &tls).unwrap();
+    let etcdctl = |args: &[&str], stdin: Option<&str>| {
+        let mut cmd = cluster.ctl_command(args);
+        cmd.env("ETCDCTL_USER", "root:root-pw");
+        if stdin.is_some() {
+            cmd.stdin(Stdio::piped());
+        }
+        let mut child = cmd.spawn().unwrap();
+        if let Some(text) = stdin {
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(text.as_bytes())
+                .unwrap();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "etcdctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let mut bare = cluster.ctl_command(&["user", "add", "root", "--interactive=false"]);
+    bare.stdin(Stdio::piped());
+    let mut child = bare.spawn().unwrap();
+    child.stdin.take().unwrap().write_all(b"root-pw\n").unwrap();
+    assert!(child.wait_with_output().unwrap().status.success());
+    etcdctl(&["auth", "enable"], None);
+    for line in acl_lines(&cluster.url(), "/svc/", "svc") {
+        assert!(!line.contains('\''), "{line}");
+        let argv: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(argv[0], "etcdctl", "{line}");
+        if argv[1..3] == ["user", "add"] {
+            let mut args = argv[1..].to_vec();
+            args.push("--interactive=false");
+            etcdctl(&args, Some(&format!("{PASSWORD}\n")));
+        } else {
+            etcdctl(&argv[1..], None);
+        }
+    }
+    let as_user = |user: &str| {
+        cluster
+            .url()
+            .replacen("etcds://", &format!("etcds://{user}:{PASSWORD}@"), 1)
+    };
+    let url = as_user("svc");
+    let token = ok(&mut fencelock_at(
+        &url,
+        &[
+            "run",
+            "--prefix",
+            "/svc/",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            "echo $FENCELOCK_TOKEN",
+        ],
+    ));
+    assert!(token.trim().parse::<u64>().is_ok(), "{token}");
+    let refused = fencelock_at(&url, &["run", "--prefix", "/other/", "job", "--", "true"])
+        .run(FINISH)
+        .unwrap();
+    assert_eq!(refused.code(), Some(69), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("permission denied"),
+        "{}",
+        refused.stderr
+    );
+
+    let mut h = holder(&url, "/svc/", dir.path(), &[], "held");
+    let ro = as_user("svc-ro");
+    let inspect = ok(&mut fencelock_at(
+        &ro,
+        &["inspect", "--prefix", "/svc/", "held"],
+    ));
+    assert!(inspect.contains("held by"), "{inspect}");
+    assert!(ok(&mut fencelock_at(&ro, &["list", "--prefix", "/svc/"])).contains("held"));
+    let refused = fencelock_at(&ro, &["run", "--prefix", "/svc/", "other", "--", "true"])
+        .run(FINISH)
+        .unwrap();
+    assert_eq!(refused.code(), Some(69), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("permission denied"),
+        "{}",
+        refused.stderr
+    );
+    std::fs::write(dir.path().join("release-held"), "").unwrap();
+    assert!(h.wait(FINISH).unwrap().status.success());
+}
+
+/// PostgreSQL: a role created from the printed statements (tables created by their owner
+/// first, as the plan says) runs both modes and the runbook under its prefix, cannot write a
+/// row of another prefix, and the read-only role inspects, lists and reads the audit log but
+/// cannot lock.
+#[test]
+fn postgres_roles_confine_the_user_to_its_prefix() {
+    let server = fencelock_testkit::PgServer::start().unwrap();
+    let lines = acl_lines(&server.url(), "svc:", "svc");
+    // `\password` asks at a terminal; the test kit's server trusts loopback logins instead.
+    let sql: Vec<String> = lines.into_iter().filter(|l| !l.starts_with('\\')).collect();
+    let out = server.psql(&sql.join("\n")).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let base = format!("postgres://{{}}@127.0.0.1:{}/postgres", server.port());
+    let as_role = |role: &str, query: &str| format!("{}{query}", base.replace("{}", role));
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["", "?mode=lease"] {
+        let url = as_role("svc", mode);
+        let at = |args: &[&str]| {
+            let mut c = fencelock_at(&url, args);
+            c.env("FENCELOCK_PREFIX", "svc:");
+            c
+        };
+        ok(&mut at(&["run", "job", "--", "true"]));
+        let name = format!("held{}", mode.len());
+        let mut h = holder(&url, "svc:", dir.path(), &[], &name);
+        assert!(ok(&mut at(&["inspect", &name])).contains("held by"));
+        let ro = as_role("svc-ro", mode);
+        let ro_at = |args: &[&str]| {
+            let mut c = fencelock_at(&ro, args);
+            c.env("FENCELOCK_PREFIX", "svc:");
+            c
+        };
+        assert!(ok(&mut ro_at(&["inspect", &name])).contains("held by"));
+        assert!(ok(&mut ro_at(&["list"])).contains(&name));
+        let refused = ro_at(&["run", "other", "--", "true"]).run(FINISH).unwrap();
+        assert_eq!(refused.code(), Some(69), "{mode}: {}", refused.stderr);
+        assert!(
+            refused.stderr.contains("permission denied"),
+            "{mode}: {}",
+            refused.stderr
+        );
+        ok(&mut at(&[
+            "release",
+            "--force",
+            "--reason",
+            "acl test",
+            "--holder-is-dead",
+            &name,
+        ]));
+        // The holder learns of the loss at its next renewal; its command need not wait.
+        std::fs::write(dir.path().join(format!("release-{name}")), "").unwrap();
+        let _ = h.wait(FINISH);
+        assert!(ok(&mut at(&["audit"])).contains("acl test"));
+        assert!(ok(&mut ro_at(&["audit"])).contains("acl test"));
+        let other = fencelock_at(&url, &["run", "--prefix", "other:", "job", "--", "true"])
+            .run(FINISH)
+            .unwrap();
+        assert_eq!(other.code(), Some(69), "{mode}: {}", other.stderr);
+        assert!(
+            other.stderr.contains("row-level security"),
+            "{mode}: {}",
+            other.stderr
+        );
+    }
 }
