@@ -64,7 +64,10 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
         #[cfg(feature = "etcd")]
         fencelock::Backend::Etcd(_) => etcd(&args, &mut f).await,
         #[cfg(feature = "redis")]
-        fencelock::Backend::Redis(u) => redis_nodes(u, &mut f).await,
+        fencelock::Backend::Redis(u) => {
+            redis_nodes(u, &mut f).await;
+            f.problems += crate::doctor_acl::redis(u, &args.backend.prefix).await;
+        }
         _ => {}
     }
     ttl_advice(&args, &mut f).await;

@@ -11,6 +11,8 @@ mod acl;
 mod chaos;
 mod demo;
 mod doctor;
+#[cfg(feature = "redis")]
+mod doctor_acl;
 mod elect;
 mod json;
 mod ops;

@@ -258,6 +258,8 @@ fn redis_users_are_confined_to_their_prefix_and_the_read_only_one_cannot_lock() 
     let out = cli_as(&server, "svc", &["SET", "svc:lock:x", "mine"]);
     assert!(out.contains("OK"), "{out}");
 
+    doctor_reports_the_acl_users(&server);
+
     let url = url_as(&server, "svc");
     let other = fencelock_at(&url, &["run", "--prefix", "other:", "x", "--", "true"])
         .run(FINISH)
@@ -459,4 +461,42 @@ fn postgres_roles_confine_the_user_to_its_prefix() {
             other.stderr
         );
     }
+}
+
+/// `fencelock doctor`'s ACL lines (the rest of its report is not this test's business).
+fn doctor_acl(url: &str) -> String {
+    let out = fencelock(&["doctor", "--backend", url, "--prefix", "svc:"])
+        .run(FINISH)
+        .unwrap();
+    out.stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("ACL user"))
+        .take_while(|l| *l != "TTL")
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn doctor_reports_the_acl_users(server: &RedisServer) {
+    let fit = doctor_acl(&url_as(server, "svc"));
+    assert!(!fit.contains("WARN"), "{fit}");
+    assert!(fit.contains("no key outside the prefix"), "{fit}");
+    let admin_user = doctor_acl(&server.url());
+    assert!(
+        admin_user.contains("WARN") && admin_user.contains("@all"),
+        "{admin_user}"
+    );
+    // The printed user without XADD: forced releases would be refused.
+    let line = acl_lines(&server.url(), "svc:", "svc-noxadd")[0].replace(" +xadd", "");
+    apply_redis(server, &[line]);
+    let lacking = doctor_acl(&url_as(server, "svc-noxadd"));
+    assert!(
+        lacking.contains("WARN") && lacking.contains("XADD svc:audit"),
+        "{lacking}"
+    );
+    let ro = doctor_acl(&url_as(server, "svc-ro"));
+    assert!(
+        ro.contains("ACL not checked") && ro.contains("EVALSHA"),
+        "{ro}"
+    );
+    assert!(!format!("{fit}{admin_user}{lacking}{ro}").contains(PASSWORD));
 }
