@@ -61,6 +61,15 @@ fn to_text(plan: &fencelock::AccessPlan, prefix: &str) -> String {
             _ => "",
         }
     );
+    if !plan.setup.is_empty() {
+        out.push_str(&format!(
+            "\n{c} first, once, as the owner of fencelock's tables (or the role that will own them)\n"
+        ));
+        for s in &plan.setup {
+            out.push_str(&s.line);
+            out.push('\n');
+        }
+    }
     for u in &plan.users {
         let what = if u.read_only {
             format!("read-only user {} (inspect, list, audit)", u.name)
@@ -82,21 +91,18 @@ fn to_text(plan: &fencelock::AccessPlan, prefix: &str) -> String {
 
 fn to_json(plan: &fencelock::AccessPlan, prefix: &str) -> String {
     let list = |items: Vec<String>| format!("[{}]", items.join(","));
+    let step = |s: &fencelock::AccessStep| {
+        format!(
+            "{{\"argv\":{},\"line\":{}}}",
+            list(s.argv.iter().map(|a| json::string(a)).collect()),
+            json::string(&s.line)
+        )
+    };
     let users = plan
         .users
         .iter()
         .map(|u| {
-            let steps = u
-                .steps
-                .iter()
-                .map(|s| {
-                    format!(
-                        "{{\"argv\":{},\"line\":{}}}",
-                        list(s.argv.iter().map(|a| json::string(a)).collect()),
-                        json::string(&s.line)
-                    )
-                })
-                .collect();
+            let steps = u.steps.iter().map(step).collect();
             format!(
                 "{{\"name\":{},\"read_only\":{},\"steps\":{}}}",
                 json::string(&u.name),
@@ -106,10 +112,11 @@ fn to_json(plan: &fencelock::AccessPlan, prefix: &str) -> String {
         })
         .collect();
     format!(
-        "{{\"engine\":{},\"prefix\":{},\"runs_in\":{},\"users\":{},\"notes\":{}}}",
+        "{{\"engine\":{},\"prefix\":{},\"runs_in\":{},\"setup\":{},\"users\":{},\"notes\":{}}}",
         json::string(plan.engine),
         json::string(prefix),
         json::string(plan.runs_in),
+        list(plan.setup.iter().map(step).collect()),
         list(users),
         list(plan.notes.iter().map(|n| json::string(n)).collect())
     )

@@ -14,6 +14,9 @@ pub struct AccessPlan {
     /// Where the steps' lines are run: `redis-cli` (on every node), `shell`, `psql`, or
     /// `none` when the engine has no users to create (SQLite).
     pub runs_in: &'static str,
+    /// What runs once, before the users are created (PostgreSQL: the tables, created by
+    /// their owner); empty on most engines.
+    pub setup: Vec<AccessStep>,
     /// The users to create, the read-write one first.
     pub users: Vec<AccessUser>,
     /// What the operator must know: what must be replaced, what is not covered, the limits

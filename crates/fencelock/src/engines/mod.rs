@@ -131,6 +131,7 @@ impl Backend {
             Backend::Sqlite(_) => Ok(crate::core::access::AccessPlan {
                 engine: "sqlite",
                 runs_in: "none",
+                setup: Vec::new(),
                 users: Vec::new(),
                 notes: vec![
                     "SQLite has no users: the lock file's permissions are the access control. \

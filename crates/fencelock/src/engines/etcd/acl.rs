@@ -44,6 +44,7 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
     Ok(AccessPlan {
         engine: "etcd",
         runs_in: "shell",
+        setup: Vec::new(),
         users: vec![user_of(user, "readwrite"), user_of(read_only, "read")],
         notes: vec![
             "etcdctl user add asks for the new user's password on the terminal \

@@ -88,14 +88,11 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
             steps,
         }
     };
-    let mut rw = role(user, false);
-    let mut steps = owner_steps;
-    steps.append(&mut rw.steps);
-    rw.steps = steps;
     Ok(AccessPlan {
         engine: "postgres",
         runs_in: "psql",
-        users: vec![rw, role(read_only, true)],
+        setup: owner_steps,
+        users: vec![role(user, false), role(read_only, true)],
         notes: vec![
             "run the statements in psql, connected to the lock database as the role that owns \
              fencelock's tables (or will: the first statements create them, so the service \
@@ -139,6 +136,9 @@ mod tests {
     #[test]
     fn policies_confine_both_roles_to_the_prefix() {
         let p = plan("svc:", "svc", "svc-ro").unwrap();
+        assert!(p.setup[0]
+            .line
+            .starts_with("CREATE TABLE IF NOT EXISTS fencelock_tokens"));
         let rw: Vec<&str> = p.users[0].steps.iter().map(|s| s.line.as_str()).collect();
         assert!(rw.contains(
             &"CREATE POLICY \"svc\" ON fencelock_tokens FOR ALL TO \"svc\" USING \

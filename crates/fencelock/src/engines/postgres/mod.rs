@@ -482,14 +482,17 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
         })
         .filter_map(|rest| rest.split_whitespace().next())
         .collect();
-    let present: bool = client
-        .query_one(
+    // Unnamed, as every statement that may pass through a transaction pooler.
+    let rows = client
+        .query_typed(
             "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) n",
-            &[&names],
+            &[(&names, Type::TEXT_ARRAY)],
         )
-        .await?
-        .try_get::<_, Option<bool>>(0)?
-        .unwrap_or(false);
+        .await?;
+    let present = match rows.first() {
+        Some(r) => r.try_get::<_, Option<bool>>(0)?.unwrap_or(false),
+        None => false,
+    };
     if present {
         return Ok(());
     }

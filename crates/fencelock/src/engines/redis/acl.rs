@@ -123,6 +123,7 @@ pub(crate) fn plan(
     Ok(AccessPlan {
         engine,
         runs_in: "redis-cli",
+        setup: Vec::new(),
         users,
         notes: vec![
             format!(
