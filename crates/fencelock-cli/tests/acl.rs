@@ -265,7 +265,11 @@ fn redis_users_are_confined_to_their_prefix_and_the_read_only_one_cannot_lock() 
         .run(FINISH)
         .unwrap();
     assert_eq!(other.code(), Some(69), "{}", other.stderr);
-    assert!(other.stderr.contains("no permissions"), "{}", other.stderr);
+    assert!(
+        other.stderr.contains("no permissions") && other.stderr.contains("fencelock acl"),
+        "{}",
+        other.stderr
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let mut h = holder(&url, "svc:", dir.path(), &[], "held");
@@ -367,7 +371,7 @@ fn etcd_roles_confine_the_user_to_its_prefix() {
         .unwrap();
     assert_eq!(refused.code(), Some(69), "{}", refused.stderr);
     assert!(
-        refused.stderr.contains("permission denied"),
+        refused.stderr.contains("permission denied") && refused.stderr.contains("fencelock acl"),
         "{}",
         refused.stderr
     );

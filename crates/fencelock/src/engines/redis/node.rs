@@ -113,6 +113,13 @@ impl Node {
                 "{}: authentication failed ({e}); check the user and password",
                 self.addr
             )),
+            Ok(Err(e)) if e.code() == Some("NOPERM") || e.to_string().starts_with("NoPerm") => {
+                Err(format!(
+                    "{}: {e}; the ACL user may not do this under this prefix (`fencelock acl` \
+                     prints the user fencelock needs, `fencelock doctor` names what is missing)",
+                    self.addr
+                ))
+            }
             Ok(Err(e)) => Err(format!("{}: {e}", self.addr)),
             Err(_) => Err(format!(
                 "{}: no answer within {}",
