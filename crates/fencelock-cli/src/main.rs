@@ -7,9 +7,12 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
 
+mod acl;
 mod chaos;
 mod demo;
 mod doctor;
+#[cfg(feature = "redis")]
+mod doctor_acl;
 mod elect;
 mod json;
 mod ops;
@@ -80,6 +83,8 @@ enum Command {
     Release(ops::ReleaseArgs),
     /// Show the audit log of forced releases, newest first.
     Audit(ops::AuditArgs),
+    /// Print the commands that create a user confined to the prefix, and a read-only one.
+    Acl(acl::AclArgs),
     /// Check a backend: reachability, latency, clocks, unsafe settings, what fencelock needs of
     /// the server (scripting, privileges), security (TLS, authentication), TTL advice.
     Doctor(doctor::DoctorArgs),
@@ -267,6 +272,7 @@ fn main() -> ExitCode {
             Command::Audit(args) => ops::audit(args).await,
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Doctor(args) => doctor::doctor(args).await,
+            Command::Acl(args) => acl::acl(args).await,
             Command::Demo(args) => demo::demo(args).await,
             Command::ChaosWorker(args) => chaos::worker(args).await,
         }

@@ -130,6 +130,7 @@ pub mod pg;
 
 pub use crate::core::metrics;
 
+pub use crate::core::access::{AccessPlan, AccessStep, AccessUser, PASSWORD_PLACEHOLDER};
 pub use crate::core::client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use crate::core::error::{Error, ErrorKind, Result};
 pub use crate::core::holder::Holder;
@@ -147,6 +148,8 @@ pub use crate::engines::etcd::url::EtcdUrl;
 pub use crate::engines::postgres::privileges::{PgPrivilege, PG_OBJECTS};
 #[cfg(feature = "postgres")]
 pub use crate::engines::postgres::url::{PgMode, PgTls, PostgresUrl, SslMode};
+#[cfg(feature = "redis")]
+pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::url::RedisUrl;
 #[cfg(feature = "sqlite")]

@@ -111,7 +111,10 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
         #[cfg(feature = "etcd")]
         fencelock::Backend::Etcd(u) => etcd::etcd(&args, u, &mut f).await,
         #[cfg(feature = "redis")]
-        fencelock::Backend::Redis(u) => redis::redis_nodes(u, &mut f).await,
+        fencelock::Backend::Redis(u) => {
+            redis::redis_nodes(u, &mut f).await;
+            f.problems += crate::doctor_acl::redis(u, &args.backend.prefix).await;
+        }
         #[cfg(feature = "postgres")]
         fencelock::Backend::Postgres(u) => postgres::postgres(u, &mut f).await?,
         _ => {}

@@ -81,7 +81,7 @@ pub(super) async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
         f.add_all(exposure(open, p.protected_mode.as_deref()));
         f.add_all(transport(url, i).await);
         // The ACL user's own checks (commands and key patterns fencelock needs, `@all`, keys
-        // beyond the prefix) are appended here, per node: `f.add_all(...)` on `conn`.
+        // beyond the prefix) follow the per-node section: `crate::doctor_acl`.
     }
     if offsets.len() > 1 {
         let spread = offsets.iter().cloned().fold(f64::MIN, f64::max)

@@ -6,6 +6,7 @@
 //! Nothing here names an engine: `scripts/check-layers` fails the build's checks if a file of
 //! this folder imports anything outside it.
 
+pub(crate) mod access;
 pub(crate) mod acquire;
 pub(crate) mod call;
 pub(crate) mod client;

@@ -111,6 +111,45 @@ impl Backend {
         })
     }
 
+    /// What an operator runs to create a `user` that may use fencelock under `prefix` and
+    /// nothing else, and a `read_only` user for `inspect`, `list` and `audit`
+    /// (`fencelock acl`). No plan holds a password: see each plan's notes.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for an invalid prefix or
+    /// user name.
+    pub fn access_plan(
+        &self,
+        prefix: &str,
+        user: &str,
+        read_only: &str,
+    ) -> Result<crate::core::access::AccessPlan> {
+        Client::builder("").prefix(prefix).config()?;
+        let _ = (user, read_only);
+        match *self {
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(_) => Ok(crate::core::access::AccessPlan {
+                engine: "sqlite",
+                runs_in: "none",
+                setup: Vec::new(),
+                users: Vec::new(),
+                notes: vec![
+                    "SQLite has no users: the lock file's permissions are the access control. \
+                     Every process that can write the file (and its directory) can take and \
+                     release every lock in it; give each service its own file, or share one \
+                     through a group-writable directory and file"
+                        .into(),
+                ],
+            }),
+            #[cfg(feature = "redis")]
+            Backend::Redis(ref u) => redis::acl::plan(u.engine(), prefix, user, read_only, u.db),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(_) => postgres::acl::plan(prefix, user, read_only),
+            #[cfg(feature = "etcd")]
+            Backend::Etcd(_) => etcd::acl::plan(prefix, user, read_only),
+        }
+    }
+
     /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`
     /// or `etcd`.
     pub fn engine(&self) -> &'static str {

@@ -220,5 +220,11 @@ fn no_answer(endpoints: &str, what: &str, limit: Duration) -> Error {
 }
 
 pub(super) fn etcd_error(what: &str, e: etcd_client::Error) -> Error {
-    Error::engine_failure(KIND, format!("etcd failed to {what}: {e}"))
+    let hint = if e.to_string().contains("permission denied") {
+        "; the user's roles do not cover this prefix's key range (`fencelock acl` prints the \
+         role fencelock needs)"
+    } else {
+        ""
+    };
+    Error::engine_failure(KIND, format!("etcd failed to {what}: {e}{hint}"))
 }

@@ -5,6 +5,7 @@
 //! renewal and release in [`session`]; the lock, the waiting and the token in [`queue`];
 //! native elections in [`election`]; the runbook in [`runbook`]; etcd calls in [`call`].
 
+pub(crate) mod acl;
 mod call;
 mod election;
 mod keys;

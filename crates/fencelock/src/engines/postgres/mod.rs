@@ -42,6 +42,7 @@
 //! Both modes create their tables on first use, record forced releases in `fencelock_audit`,
 //! and advance the counter there at the same time.
 
+pub(crate) mod acl;
 mod advisory;
 mod lease;
 pub(crate) mod privileges;
@@ -469,15 +470,31 @@ fn param(v: &SqlValue) -> &(dyn ToSql + Sync) {
 /// Creates the tables once; concurrent first clients wait for each other on a transaction
 /// advisory lock rather than race on the catalog.
 ///
-/// `CREATE ... IF NOT EXISTS` needs the `CREATE` privilege on the schema even when the object
-/// exists, so a role granted only what it uses would be refused: the objects are looked up
-/// first (with the simple protocol, which transaction poolers pass through).
+/// When every table and index already exists, nothing is created: a role confined by `fencelock
+/// acl` has no CREATE privilege, and `CREATE ... IF NOT EXISTS` checks the privilege before it
+/// looks for the table.
 async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgres::Error> {
-    let exists = client.simple_query(&privileges::all_exist_sql()).await?;
-    let all = exists
-        .iter()
-        .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(r) if r.get(0) == Some("t")));
-    if all {
+    let names: Vec<&str> = SCHEMA
+        .split(';')
+        .filter_map(|s| {
+            let s = s.trim();
+            s.strip_prefix("CREATE TABLE IF NOT EXISTS ")
+                .or_else(|| s.strip_prefix("CREATE INDEX IF NOT EXISTS "))
+        })
+        .filter_map(|rest| rest.split_whitespace().next())
+        .collect();
+    // Unnamed, as every statement that may pass through a transaction pooler.
+    let rows = client
+        .query_typed(
+            "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) n",
+            &[(&names, Type::TEXT_ARRAY)],
+        )
+        .await?;
+    let present = match rows.first() {
+        Some(r) => r.try_get::<_, Option<bool>>(0)?.unwrap_or(false),
+        None => false,
+    };
+    if present {
         return Ok(());
     }
     let lock = advisory_key("fencelock:", "schema");

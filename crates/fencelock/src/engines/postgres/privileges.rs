@@ -106,15 +106,6 @@ impl PgMode {
     }
 }
 
-/// A query whose one row says whether every one of [`PG_OBJECTS`] exists (`t` or `f`).
-pub(crate) fn all_exist_sql() -> String {
-    let checks: Vec<String> = PG_OBJECTS
-        .iter()
-        .map(|o| format!("to_regclass('{o}') IS NOT NULL"))
-        .collect();
-    format!("SELECT {}", checks.join(" AND "))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -84,7 +84,7 @@ pub(crate) fn audit_key(prefix: &str) -> String {
 }
 
 /// `text` with Redis glob characters escaped, so that in a pattern it matches only itself.
-fn glob_escape(text: &str, out: &mut String) {
+pub(crate) fn glob_escape(text: &str, out: &mut String) {
     for c in text.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\') {
             out.push('\\');

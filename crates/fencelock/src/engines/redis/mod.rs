@@ -12,6 +12,7 @@
 //! The rest lives with its code: tokens on a quorum and fairness in [`acquire`], the delayed
 //! restart in [`node`], wake-ups in [`wakeup`], the counting of votes in [`votes`].
 
+pub(crate) mod acl;
 mod acquire;
 mod extend;
 mod keys;

@@ -90,6 +90,17 @@ impl Node {
         self.bounded(cmd.query_async::<T>(&mut conn), limit).await
     }
 
+    /// Runs a pipeline (a transaction, when atomic) with a deadline; errors become text naming
+    /// the node.
+    pub(super) async fn query_pipe<T: redis::FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
+        self.bounded(pipe.query_async::<T>(&mut conn), limit).await
+    }
+
     /// Waits for one request to this node with a deadline; errors become text naming the node.
     async fn bounded<T>(
         &self,
@@ -104,6 +115,14 @@ impl Node {
             )),
             Ok(Err(e)) => match scripting_refusal(&e) {
                 Some(why) => Err(format!("{}: {why}", self.addr)),
+                None if e.code() == Some("NOPERM") || e.to_string().starts_with("NoPerm") => {
+                    Err(format!(
+                        "{}: {e}; the ACL user may not do this under this prefix (`fencelock acl` \
+                         prints the user fencelock needs, `fencelock doctor` names what is \
+                         missing)",
+                        self.addr
+                    ))
+                }
                 None => Err(format!("{}: {e}", self.addr)),
             },
             Err(_) => Err(format!(
@@ -171,7 +190,7 @@ pub(super) fn scripting_refusal(e: &redis::RedisError) -> Option<String> {
     };
     let why = if lower.contains("unknown command") {
         format!(
-            "this server has no {command} command (renamed or disabled by rename-command in its              configuration)"
+            "this server has no {command} command (renamed or disabled by rename-command in its configuration)"
         )
     } else if e.code() == Some("NOPERM") {
         format!("this user may not run {command} (the server's ACL)")
@@ -179,6 +198,6 @@ pub(super) fn scripting_refusal(e: &redis::RedisError) -> Option<String> {
         return None;
     };
     Some(format!(
-        "{why}; fencelock runs every lock operation as a server-side script and needs          EVALSHA and SCRIPT LOAD (`fencelock doctor` checks a server)"
+        "{why}; fencelock runs every lock operation as a server-side script and needs EVALSHA and SCRIPT LOAD (`fencelock doctor` checks a server)"
     ))
 }

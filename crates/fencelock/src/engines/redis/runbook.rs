@@ -94,9 +94,17 @@ impl RedisEngine {
         let limit = self.node_limit();
         let answers = self
             .ask(|n| {
-                let mut inv = scripts::INSPECT.prepare_invoke();
-                inv.key(&keys.lock).key(&keys.meta);
-                async move { n.run::<Vec<Value>>(inv, limit).await }
+                // A transaction, not a script: the read-only user (`%R~` keys) may run it,
+                // where EVALSHA declares its keys written.
+                let mut pipe = redis::pipe();
+                pipe.atomic()
+                    .cmd("GET")
+                    .arg(&keys.lock)
+                    .cmd("PTTL")
+                    .arg(&keys.lock)
+                    .cmd("GET")
+                    .arg(&keys.meta);
+                async move { n.query_pipe::<Vec<Value>>(&pipe, limit).await }
             })
             .await;
         answers.unless_every_node_failed()?;

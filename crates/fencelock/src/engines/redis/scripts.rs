@@ -271,17 +271,6 @@ return 1
     )
 });
 
-/// The holder of a lock, atomically with its metadata.
-///
-/// KEYS: lock, meta. Reply: `{holder or nil, pttl, meta or nil}`.
-pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}
-"#,
-    )
-});
-
 /// Forced release: deletes the lock whatever its owner (if the expected one holds it), advances
 /// the fencing counter past every token granted so far, appends the audit record and wakes the
 /// waiters, in one step.
