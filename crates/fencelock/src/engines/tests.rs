@@ -15,6 +15,7 @@ fn config() -> EngineConfig {
         prefix: "t:".into(),
         op_timeout: Duration::from_secs(5),
         max_ttl: Duration::from_secs(3600),
+        holder_id: "tests".into(),
     }
 }
 
@@ -42,7 +43,7 @@ async fn grant(engine: &dyn Engine, name: &str, owner: &str) -> FencingToken {
     };
     match engine.try_acquire(&req).await.unwrap() {
         Attempt::Granted(t) => t,
-        Attempt::Held { .. } => unreachable!("{name} is held"),
+        Attempt::Held { .. } | Attempt::OverQuota { .. } => unreachable!("{name} is held"),
     }
 }
 

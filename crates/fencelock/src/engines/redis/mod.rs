@@ -15,6 +15,7 @@
 mod acquire;
 mod extend;
 mod keys;
+mod limits;
 mod node;
 mod release;
 mod runbook;
@@ -35,6 +36,7 @@ use crate::core::engine::{
 };
 use crate::core::error::{Error, Result};
 use crate::core::holder::Holder;
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::wake::Wakers;
 use keys::Keys;
@@ -70,6 +72,8 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         prefix: cfg.prefix.clone(),
         op_timeout: cfg.op_timeout,
         max_ttl: cfg.max_ttl,
+        limits_key: keys::limits_key(&cfg.prefix),
+        held_key: keys::held_key(&cfg.prefix, &cfg.holder_id),
         wakers,
         channel,
         shutdown,
@@ -115,6 +119,9 @@ pub(crate) struct RedisEngine {
     prefix: String,
     op_timeout: Duration,
     max_ttl: Duration,
+    /// Where the limits of the prefix are stored, and this client's set of held leases.
+    limits_key: String,
+    held_key: String,
     wakers: Arc<Wakers>,
     /// This client's own wake-up channel: handoffs to its fair waiters.
     channel: String,
@@ -198,5 +205,13 @@ impl Engine for RedisEngine {
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         self.read_audit(name).await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        self.read_limits().await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        self.store_limits(limits).await
     }
 }
