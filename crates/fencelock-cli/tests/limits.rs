@@ -83,13 +83,14 @@ fn redlock_stores_limits_on_every_node_and_shows_disagreement() {
     assert_eq!(show.status.code(), Some(69), "{}", show.stdout);
     assert!(show.stderr.contains("different limits"), "{}", show.stderr);
     assert!(show.stdout.contains("max-ttl 2m"), "{}", show.stdout);
-    // The two nodes that keep the 1m cap refuse a 90 s TTL, so no quorum grants it.
-    let refused = fencelock_at(&url, &["run", "--ttl", "90s", "job", "--", "true"])
+    // The two nodes that keep the 1m cap refuse a 90 s TTL, so no quorum grants it, and the
+    // grant of the third is rolled back.
+    let refused = fencelock_at(&url, &["run", "--ttl", "90s", "other", "--", "true"])
         .run(FINISH)
         .unwrap();
     assert_eq!(refused.status.code(), Some(77), "{}", refused.stderr);
     for node in &nodes {
-        let out = node.cli(&["EXISTS", "fencelock:v1:lock:job"]).unwrap();
+        let out = node.cli(&["EXISTS", "fencelock:v1:lock:other"]).unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
     }
 
