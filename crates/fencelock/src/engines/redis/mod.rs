@@ -19,7 +19,7 @@ mod limits;
 mod node;
 mod release;
 mod runbook;
-mod scripts;
+pub(super) mod scripts;
 pub(crate) mod url;
 mod values;
 mod votes;
