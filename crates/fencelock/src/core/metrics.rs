@@ -18,8 +18,9 @@
 //!
 //! `outcome` is one of `acquired`, `held`, `timed_out`, `error`, `invalid`, `limit`; an acquire
 //! failure's `reason` is `held` (one attempt found the lock held), `timed_out` (the wait ran
-//! out), `engine`, `invalid` or `limit` (a limit stored in the engine refused it). A lease is lost for `expired` (its validity ended without a confirmed
-//! renewal), `not_holder` (the engine lists another owner, or none) or `renewals_failed`. An
+//! out), `engine`, `invalid` or `limit` (a limit stored in the engine refused it). A lease is
+//! lost for `expired` (its validity ended without a confirmed renewal), `not_holder` (the
+//! engine lists another owner, or none) or `renewals_failed`. An
 //! acquisition whose future is dropped is not recorded: it has no outcome.
 //!
 //! The watchdog renews many leases in one engine call; [`RENEWALS`] still counts one attempt
