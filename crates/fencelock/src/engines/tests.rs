@@ -232,3 +232,40 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     let exists = server.cli(&["EXISTS", "t:lock:r"]).unwrap();
     assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
 }
+
+/// A file made by a version without the `holder_id` column gets it on first open, and its
+/// quota counts from then on.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn sqlite_file_of_an_older_version_gets_the_quota_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE fencelock_locks (key TEXT PRIMARY KEY, token INTEGER NOT NULL,
+               owner TEXT, boot_id TEXT, expires_at INTEGER, ttl_ms INTEGER, host TEXT,
+               pid INTEGER, client TEXT, acquired_at INTEGER, renewed_at INTEGER) WITHOUT ROWID;
+             INSERT INTO fencelock_locks (key, token) VALUES ('t:r', 41);",
+        )
+        .unwrap();
+    let engine = open(&format!("sqlite://{}", path.display()), &config())
+        .await
+        .unwrap()
+        .engine;
+    engine
+        .set_limits(&Limits::default().with_max_held_per_client(1))
+        .await
+        .unwrap();
+    assert_eq!(grant(&*engine, "r", "a").await, FencingToken::new(42));
+    let req = AcquireRequest {
+        name: "s".into(),
+        owner: "b".into(),
+        ttl: Duration::from_secs(60),
+        meta: HolderMeta::current("holder".into()),
+    };
+    assert!(matches!(
+        engine.try_acquire(&req).await.unwrap(),
+        Attempt::OverQuota { max: 1, .. }
+    ));
+}
