@@ -105,8 +105,12 @@ async fn show(a: ShowArgs) -> Result<u8> {
                 Ok(l) => format!(
                     "{{\"node\":{},\"max_ttl_ms\":{},\"max_held_per_client\":{}}}",
                     json::string(&n.node),
-                    opt(l.and_then(|l| l.max_ttl()).map(|d| d.as_millis().to_string())),
-                    opt(l.and_then(|l| l.max_held_per_client()).map(|n| n.to_string())),
+                    opt(l
+                        .and_then(|l| l.max_ttl())
+                        .map(|d| d.as_millis().to_string())),
+                    opt(l
+                        .and_then(|l| l.max_held_per_client())
+                        .map(|n| n.to_string())),
                 ),
                 Err(e) => format!(
                     "{{\"node\":{},\"error\":{}}}",

@@ -11,9 +11,19 @@ use fencelock_testkit::{redlock_url, start_redis_nodes, RedisServer};
 /// the engine (the CLI has no cap of its own below a day), a TTL within the cap granted, and
 /// the refusal gone once the limits are cleared.
 fn refuses_a_ttl_above_the_stored_cap(url: &str) {
-    let set = fencelock_at(url, &["limits", "set", "--max-ttl", "1m", "--max-held-per-client", "2"])
-        .run(FINISH)
-        .unwrap();
+    let set = fencelock_at(
+        url,
+        &[
+            "limits",
+            "set",
+            "--max-ttl",
+            "1m",
+            "--max-held-per-client",
+            "2",
+        ],
+    )
+    .run(FINISH)
+    .unwrap();
     assert!(set.status.success(), "{}", set.stderr);
     let show = fencelock_at(url, &["limits", "show"]).run(FINISH).unwrap();
     assert!(show.status.success(), "{}", show.stderr);
@@ -27,7 +37,11 @@ fn refuses_a_ttl_above_the_stored_cap(url: &str) {
         .run(FINISH)
         .unwrap();
     assert_eq!(refused.status.code(), Some(77), "{}", refused.stderr);
-    assert!(refused.stderr.contains("max-ttl = 1m"), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("max-ttl = 1m"),
+        "{}",
+        refused.stderr
+    );
     let within = fencelock_at(url, &["run", "--ttl", "30s", "job", "--", "true"])
         .run(FINISH)
         .unwrap();
@@ -38,7 +52,11 @@ fn refuses_a_ttl_above_the_stored_cap(url: &str) {
     let show = fencelock_at(url, &["limits", "show", "--json"])
         .run(FINISH)
         .unwrap();
-    assert!(show.stdout.contains("\"max_ttl_ms\":null"), "{}", show.stdout);
+    assert!(
+        show.stdout.contains("\"max_ttl_ms\":null"),
+        "{}",
+        show.stdout
+    );
     let granted = fencelock_at(url, &["run", "--ttl", "5m", "job", "--", "true"])
         .run(FINISH)
         .unwrap();
@@ -94,7 +112,9 @@ fn redlock_stores_limits_on_every_node_and_shows_disagreement() {
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
     }
 
-    let clear = fencelock_at(&url, &["limits", "clear"]).run(FINISH).unwrap();
+    let clear = fencelock_at(&url, &["limits", "clear"])
+        .run(FINISH)
+        .unwrap();
     assert!(clear.status.success(), "{}", clear.stderr);
     for node in &nodes {
         assert_eq!(get_limits(node), "", "{}", node.addr());

@@ -139,7 +139,10 @@ async fn a_refusal_by_a_stored_limit_counts_as_limit() {
     let long = LockOptions::default().ttl(Duration::from_secs(300));
     let e = c.try_acquire("m-limit", &long).await.unwrap_err();
     assert_eq!(e.kind(), fencelock::ErrorKind::LimitExceeded);
-    assert_eq!(count(m::ACQUIRE_FAILURES, &[r[0], r[1], ("reason", "limit")]), 1);
+    assert_eq!(
+        count(m::ACQUIRE_FAILURES, &[r[0], r[1], ("reason", "limit")]),
+        1
+    );
     assert_eq!(count(ACQUIRES, &[r[0], r[1], ("outcome", "limit")]), 1);
 }
 

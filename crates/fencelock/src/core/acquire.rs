@@ -332,8 +332,7 @@ impl Client {
                         return Err(refused);
                     }
                     let pause = retry_in.unwrap_or(max_backoff).min(max_backoff);
-                    tokio::time::sleep(jitter(pause.max(Duration::from_millis(2))).min(left))
-                        .await;
+                    tokio::time::sleep(jitter(pause.max(Duration::from_millis(2))).min(left)).await;
                     continue;
                 }
                 Err(e) => e,

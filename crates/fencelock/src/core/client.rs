@@ -230,7 +230,11 @@ impl Client {
         let engine = self.inner.engine.clone();
         self.inner
             .calls
-            .traced("limits", self.inner.cfg.op_timeout, engine.set_limits(limits))
+            .traced(
+                "limits",
+                self.inner.cfg.op_timeout,
+                engine.set_limits(limits),
+            )
             .await
     }
 
@@ -295,11 +299,9 @@ impl ClientInner {
             }
             // The engine's limit refused it: the lease stays valid until its deadline, which the
             // refusal did not move, and the caller learns why.
-            Some(Renewed::OverLimit(max)) => {
-                Err(crate::core::limits::ttl_refused(*max, lease.ttl)
-                    .with_resource(&lease.resource)
-                    .with_engine(self.engine.kind()))
-            }
+            Some(Renewed::OverLimit(max)) => Err(crate::core::limits::ttl_refused(*max, lease.ttl)
+                .with_resource(&lease.resource)
+                .with_engine(self.engine.kind())),
             Some(Renewed::Extended) => {
                 lease.mark_lost(
                     Loss::Expired,

@@ -196,14 +196,27 @@ mod tests {
 
     #[test]
     fn garbage_is_not_limits() {
-        for s in ["", "1", "1 ", " 1", "a b", "1 2 3", "-1 2", "1  2", "99999999999999999999 1"] {
+        for s in [
+            "",
+            "1",
+            "1 ",
+            " 1",
+            "a b",
+            "1 2 3",
+            "-1 2",
+            "1  2",
+            "99999999999999999999 1",
+        ] {
             assert_eq!(Limits::decode(s), None, "{s:?}");
         }
     }
 
     #[test]
     fn values_that_would_refuse_everything_are_invalid() {
-        assert!(Limits::default().with_max_held_per_client(0).validate().is_err());
+        assert!(Limits::default()
+            .with_max_held_per_client(0)
+            .validate()
+            .is_err());
         assert!(Limits::default()
             .with_max_ttl(Duration::from_millis(1))
             .validate()

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime};
 use super::open;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
 use crate::core::error::ErrorKind;
-use crate::core::limits::Limits;
 use crate::core::holder::{Holder, HolderMeta};
+use crate::core::limits::Limits;
 use crate::core::records::AuditRecord;
 use crate::core::token::FencingToken;
 
@@ -174,8 +174,11 @@ async fn check_the_engine_refuses_a_ttl_above_its_cap(url: &str) {
 #[tokio::test]
 async fn sqlite_transaction_refuses_a_ttl_above_the_cap() {
     let dir = tempfile::tempdir().unwrap();
-    check_the_engine_refuses_a_ttl_above_its_cap(&format!("sqlite://{}/l.db", dir.path().display()))
-        .await;
+    check_the_engine_refuses_a_ttl_above_its_cap(&format!(
+        "sqlite://{}/l.db",
+        dir.path().display()
+    ))
+    .await;
 }
 
 #[cfg(feature = "redis")]
@@ -228,7 +231,11 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
         .arg(0);
     let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
     assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
-    assert_eq!(reply.get(3), Some(&::redis::Value::Int(60_000)), "{reply:?}");
+    assert_eq!(
+        reply.get(3),
+        Some(&::redis::Value::Int(60_000)),
+        "{reply:?}"
+    );
     let exists = server.cli(&["EXISTS", "t:lock:r"]).unwrap();
     assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
 }

@@ -36,7 +36,10 @@ pub async fn stored_limits_refuse_long_ttls_and_hoarders<H: Harness>() {
         .with_max_held_per_client(2);
     c.set_limits(&limits).await.unwrap();
     let nodes = c.limits().await.unwrap();
-    assert!(nodes.iter().all(|n| n.limits == Ok(Some(limits))), "{nodes:?}");
+    assert!(
+        nodes.iter().all(|n| n.limits == Ok(Some(limits))),
+        "{nodes:?}"
+    );
 
     let e = c.try_acquire("long", &minutes(5)).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}");

@@ -41,9 +41,7 @@ impl EtcdEngine {
     }
 
     fn limits_seen(&self) -> std::sync::MutexGuard<'_, Option<(Instant, Limits)>> {
-        self.limits_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.limits_seen.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn stored_limits(&self) -> Result<Limits> {
@@ -52,20 +50,16 @@ impl EtcdEngine {
             .await?;
         match resp.kvs().first() {
             None => Ok(Limits::default()),
-            Some(kv) => kv
-                .value_str()
-                .ok()
-                .and_then(Limits::decode)
-                .ok_or_else(|| {
-                    Error::engine_failure(
-                        KIND,
-                        format!(
-                            "the limits at {} are malformed; store them again with fencelock \
+            Some(kv) => kv.value_str().ok().and_then(Limits::decode).ok_or_else(|| {
+                Error::engine_failure(
+                    KIND,
+                    format!(
+                        "the limits at {} are malformed; store them again with fencelock \
                              limits set",
-                            self.limits_key()
-                        ),
-                    )
-                }),
+                        self.limits_key()
+                    ),
+                )
+            }),
         }
     }
 

@@ -178,7 +178,6 @@ END IF;
 END $m$;
 "#;
 
-
 /// Opens a client's connections: in advisory mode the lock and the feed of leases lost with a
 /// session; in lease-table mode the lock alone.
 pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened> {
@@ -414,8 +413,10 @@ impl Shared {
         let limits = match rows.first() {
             Some(r) => {
                 let (t, h): (i64, i64) = (
-                    r.try_get(0).map_err(|e| self.error("unexpected answer", e))?,
-                    r.try_get(1).map_err(|e| self.error("unexpected answer", e))?,
+                    r.try_get(0)
+                        .map_err(|e| self.error("unexpected answer", e))?,
+                    r.try_get(1)
+                        .map_err(|e| self.error("unexpected answer", e))?,
                 );
                 Some(Limits::from_stored(t, h)).filter(|l| !l.is_empty())
             }

@@ -46,7 +46,10 @@ enum NodeAttempt {
     /// The TTL is above the node's `max-ttl` (ms).
     TtlCapped(u64),
     /// The client holds the node's `max-held-per-client` leases; one expires in `retry`.
-    OverQuota { max: u32, retry: Duration },
+    OverQuota {
+        max: u32,
+        retry: Duration,
+    },
 }
 
 impl RedisEngine {
@@ -203,12 +206,11 @@ impl RedisEngine {
         }
         // A limit refused it on some node and no quorum granted: the limit is the answer.
         if let Some(max) = capped {
-            return Err(crate::core::limits::ttl_refused(
-                Duration::from_millis(max),
-                req.ttl,
-            )
-            .with_resource(&req.name)
-            .with_engine(self.kind));
+            return Err(
+                crate::core::limits::ttl_refused(Duration::from_millis(max), req.ttl)
+                    .with_resource(&req.name)
+                    .with_engine(self.kind),
+            );
         }
         if let Some((max, retry)) = quota {
             if holders.len() < self.quorum {

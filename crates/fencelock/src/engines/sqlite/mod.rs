@@ -89,7 +89,10 @@ CREATE TABLE IF NOT EXISTS fencelock_limits (
 
 /// Columns added after the first release, to files that were created without them: who holds
 /// each lease for the `max-held-per-client` limit.
-const MIGRATIONS: &[(&str, &str)] = &[("holder_id", "ALTER TABLE fencelock_locks ADD COLUMN holder_id TEXT")];
+const MIGRATIONS: &[(&str, &str)] = &[(
+    "holder_id",
+    "ALTER TABLE fencelock_locks ADD COLUMN holder_id TEXT",
+)];
 
 /// The columns [`LockRow::from_row`] reads, in its order.
 const LOCK_COLUMNS: &str =
@@ -398,7 +401,9 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         )
         .map(|n| n > 0)
     };
-    if MIGRATIONS.iter().try_fold(true, |all, (c, _)| Ok::<_, rusqlite::Error>(all && has(conn, c)?))? {
+    if MIGRATIONS.iter().try_fold(true, |all, (c, _)| {
+        Ok::<_, rusqlite::Error>(all && has(conn, c)?)
+    })? {
         return Ok(());
     }
     conn.execute_batch("BEGIN IMMEDIATE")?;
@@ -420,9 +425,8 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 
 /// The limits of `prefix` as stored in `fencelock_limits` (none: empty limits).
 fn read_limits(conn: &Connection, prefix: &str) -> rusqlite::Result<Limits> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT max_ttl_ms, max_held FROM fencelock_limits WHERE prefix = ?1",
-    )?;
+    let mut stmt =
+        conn.prepare_cached("SELECT max_ttl_ms, max_held FROM fencelock_limits WHERE prefix = ?1")?;
     Ok(stmt
         .query_row([prefix], |r| Ok(Limits::from_stored(r.get(0)?, r.get(1)?)))
         .optional()?

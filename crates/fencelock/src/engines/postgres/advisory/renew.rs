@@ -64,7 +64,9 @@ impl AdvisoryEngine {
                 }
             };
             let mut mine = lock(&s.held);
-            let cap = cap.and_then(|ms| u64::try_from(ms).ok()).map(Duration::from_millis);
+            let cap = cap
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map(Duration::from_millis);
             for i in members {
                 if let Some(max) = cap.filter(|max| batch[i].ttl > *max) {
                     out[i] = Renewed::OverLimit(max);
