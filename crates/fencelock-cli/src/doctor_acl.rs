@@ -73,6 +73,12 @@ fn sample(command: &str, prefix: &str, db: i64) -> Option<Vec<String>> {
             "0".into(),
         ],
         "zrem" => vec!["ZREM".into(), key("queue"), "w".into()],
+        "zremrangebyscore" => vec![
+            "ZREMRANGEBYSCORE".into(),
+            key("held:c"),
+            "-inf".into(),
+            "0".into(),
+        ],
         "zscore" => vec!["ZSCORE".into(), key("queue"), "w".into()],
         "select" => vec!["SELECT".into(), db.to_string()],
         _ => return None,

@@ -15,6 +15,7 @@ mod doctor;
 mod doctor_acl;
 mod elect;
 mod json;
+mod limits;
 mod ops;
 mod run;
 mod supervise;
@@ -33,6 +34,9 @@ pub mod exit {
     pub const SUPERVISOR: u8 = 70;
     /// The lease was lost while the command ran; the command was terminated.
     pub const LEASE_LOST: u8 = 79;
+    /// A limit stored in the engine refused the lock: a TTL above its cap, or this client
+    /// holding its quota of leases (EX_NOPERM).
+    pub const LIMIT: u8 = 77;
 }
 
 #[derive(Parser, Debug)]
@@ -42,7 +46,8 @@ pub mod exit {
     about = "Distributed locks with fencing tokens",
     after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 70 the command's \
                   supervisor died (the command was killed), 75 held elsewhere (or a forced \
-                  release refused: the holder looks alive), 79 lease lost while running; \
+                  release refused: the holder looks alive), 77 refused by a limit stored in \
+                  the engine, 79 lease lost while running; \
                   otherwise the command's own status."
 )]
 struct Cli {
@@ -88,6 +93,8 @@ enum Command {
     /// Check a backend: reachability, latency, clocks, unsafe settings, what fencelock needs of
     /// the server (scripting, privileges), security (TLS, authentication), TTL advice.
     Doctor(doctor::DoctorArgs),
+    /// Store, show or clear the limits the engine enforces under a prefix (TTL cap, quota).
+    Limits(limits::LimitsArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
     /// Test support, not a user command: the lock client that the chaos suite
@@ -191,6 +198,7 @@ pub fn exit_code(e: &fencelock::Error) -> u8 {
         ErrorKind::InvalidInput => exit::USAGE,
         ErrorKind::HeldByAnother | ErrorKind::TimedOut => exit::HELD,
         ErrorKind::LeaseLost | ErrorKind::NotHolder => exit::LEASE_LOST,
+        ErrorKind::LimitExceeded => exit::LIMIT,
         _ => exit::UNAVAILABLE,
     }
 }
@@ -273,6 +281,7 @@ fn main() -> ExitCode {
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Doctor(args) => doctor::doctor(args).await,
             Command::Acl(args) => acl::acl(args).await,
+            Command::Limits(args) => limits::limits(args).await,
             Command::Demo(args) => demo::demo(args).await,
             Command::ChaosWorker(args) => chaos::worker(args).await,
         }

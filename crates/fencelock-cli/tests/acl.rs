@@ -209,6 +209,19 @@ fn redis_user_runs_every_command_and_the_list_is_what_they_use() {
     let _ = h.wait(FINISH);
     assert!(ok(&mut at(&["audit"])).contains("acl test"));
     ok(&mut at(&["elect", "e", "--", "true"]));
+    // The stored limits, and a grant, an extension and a release under a quota (its own
+    // commands, which run only while a quota is set).
+    ok(&mut at(&[
+        "limits",
+        "set",
+        "--max-ttl",
+        "1h",
+        "--max-held-per-client",
+        "10",
+    ]));
+    assert!(ok(&mut at(&["limits", "show"])).contains("10"));
+    ok(&mut at(&["run", "--ttl", "1s", "q", "--", "sleep", "0.5"]));
+    ok(&mut at(&["limits", "clear"]));
 
     let stats = admin(&server, &["INFO", "commandstats"]);
     // The test's own commands: its administrator's, and AUTH, which every user may run.

@@ -135,6 +135,7 @@ pub use crate::core::client::{Client, ClientBuilder, DEFAULT_PREFIX};
 pub use crate::core::error::{Error, ErrorKind, Result};
 pub use crate::core::holder::Holder;
 pub use crate::core::lease::{Lease, LostSignal};
+pub use crate::core::limits::{Limits, StoredLimits, MAX_HELD_CEILING};
 pub use crate::core::name::{validate_name, MAX_NAME_BYTES};
 pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};

@@ -13,6 +13,8 @@ mod common;
 mod errors;
 #[path = "conformance/harness.rs"]
 mod harness;
+#[path = "conformance/limits.rs"]
+mod limits;
 #[path = "conformance/locking.rs"]
 mod locking;
 #[path = "conformance/runbook.rs"]
@@ -100,6 +102,7 @@ macro_rules! conformance {
                 runbook::inspect_and_list,
                 runbook::forced_release_is_refused_then_audited_and_fenced,
                 errors::unreachable_engine_and_bad_input_give_clear_errors,
+                limits::stored_limits_refuse_long_ttls_and_hoarders,
             );
         }
     };

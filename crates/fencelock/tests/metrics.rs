@@ -112,7 +112,7 @@ async fn a_grant_and_its_release_are_timed() {
     assert_eq!(sample(m::LEASE_TTL, &r), 5.0);
     assert_eq!(count(HOLDS, &r), 0, "the hold has not ended yet");
     // Every failure reason's series exists, at zero, from the first attempt on.
-    for reason in ["held", "timed_out", "engine", "invalid"] {
+    for reason in ["held", "timed_out", "engine", "invalid", "limit"] {
         let text = recorder().render();
         assert!(
             text.contains(&format!(
@@ -126,6 +126,24 @@ async fn a_grant_and_its_release_are_timed() {
     assert_eq!(count(HOLDS, &r), 1);
     assert_eq!(count(m::ACQUIRE_FAILURES, &r), 0);
     assert_eq!(count(m::LEASES_LOST, &r), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refusal_by_a_stored_limit_counts_as_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = sqlite(&dir).await;
+    c.set_limits(&fencelock::Limits::default().with_max_ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let r = [("engine", "sqlite"), ("resource", "m-limit")];
+    let long = LockOptions::default().ttl(Duration::from_secs(300));
+    let e = c.try_acquire("m-limit", &long).await.unwrap_err();
+    assert_eq!(e.kind(), fencelock::ErrorKind::LimitExceeded);
+    assert_eq!(
+        count(m::ACQUIRE_FAILURES, &[r[0], r[1], ("reason", "limit")]),
+        1
+    );
+    assert_eq!(count(ACQUIRES, &[r[0], r[1], ("outcome", "limit")]), 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -706,3 +706,52 @@ async fn a_redlock_node_refusing_auth_is_an_authentication_failure() {
     assert!(text.contains(&nodes[2].addr()), "{text}");
     assert!(!text.contains("no answer"), "{text}");
 }
+
+/// A fair waiter queued while within its client's quota, whose client then takes its last
+/// allowed lease elsewhere, is not handed the lock by the release (the handoff checks the
+/// limits as the waiter's own attempt would); it keeps waiting and is granted once its client
+/// releases the other lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_respects_the_waiters_quota() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let holder = Client::builder(&url)
+        .client_name("holder")
+        .connect()
+        .await
+        .unwrap();
+    let waiter = Client::builder(&url)
+        .client_name("waiter")
+        .connect()
+        .await
+        .unwrap();
+    holder
+        .set_limits(&fencelock::Limits::default().with_max_held_per_client(1))
+        .await
+        .unwrap();
+    let opts = LockOptions::default()
+        .fair(true)
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::from_secs(20));
+    let held = holder.try_acquire("y", &opts).await.unwrap();
+    let queued = {
+        let (c, opts) = (waiter.clone(), opts.clone());
+        tokio::spawn(async move { c.acquire("y", &opts).await })
+    };
+    assert!(wait_until(Duration::from_secs(5), || {
+        cli(&server, &["ZCARD", "fencelock:v1:queue:y"]) == "1"
+    }));
+    let other = waiter.try_acquire("x", &opts).await.unwrap();
+    held.release().await.unwrap();
+    // Not handed over: the waiter's client holds its one lease.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!queued.is_finished());
+    assert!(waiter.inspect("y").await.unwrap().is_none());
+    other.release().await.unwrap();
+    let granted = timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("the waiter was not granted once its quota allowed")
+        .unwrap()
+        .unwrap();
+    granted.release().await.unwrap();
+}

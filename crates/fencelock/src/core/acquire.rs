@@ -15,6 +15,7 @@ use crate::core::engine::{AcquireRequest, Attempt};
 use crate::core::error::{Error, ErrorKind, Result};
 use crate::core::holder::{Holder, HolderMeta};
 use crate::core::lease::{Lease, LeaseState};
+use crate::core::limits::quota_refused;
 use crate::core::name::validate_name;
 use crate::core::options::{display_duration, handoff_validity, usable, validity, LockOptions};
 use crate::core::token::FencingToken;
@@ -25,7 +26,9 @@ impl Client {
     /// # Errors
     /// [`ErrorKind::TimedOut`] when the wait ran out (the error names the holder),
     /// [`ErrorKind::HeldByAnother`] when `opts.wait` is zero and the lock is held,
-    /// [`ErrorKind::InvalidInput`] for an invalid name or options, and
+    /// [`ErrorKind::InvalidInput`] for an invalid name or options,
+    /// [`ErrorKind::LimitExceeded`] when a limit stored in the engine refused the grant (a TTL
+    /// above its cap at once; a client holding its quota of leases once the wait ran out), and
     /// [`ErrorKind::Engine`] when the engine failed or did not answer in time.
     ///
     /// # Cancel safety
@@ -211,6 +214,15 @@ impl Client {
                     pending.armed = fair.is_some();
                     (Ok(holder), retry_in, wake)
                 }
+                // The client holds its quota already: waiting helps once one of its leases
+                // is released or expires, so a waiter retries as for a held lock.
+                Ok(Attempt::OverQuota { max, retry_in }) => {
+                    pending.armed = fair.is_some();
+                    let refused = quota_refused(max, &inner.cfg.holder_id)
+                        .with_resource(name)
+                        .with_engine(engine);
+                    (Err(refused), retry_in, None)
+                }
                 Err(e) if e.kind() == ErrorKind::Engine => (Err(e), None, None),
                 Err(e) => {
                     pending.release_now().await;
@@ -309,6 +321,19 @@ impl Client {
                 Ok((Attempt::Held { holder, .. }, _)) => {
                     pending.release_now().await;
                     return Err(self.refusal(name, wait, holder).await);
+                }
+                Ok((Attempt::OverQuota { max, retry_in }, _)) => {
+                    pending.release_now().await;
+                    let refused = quota_refused(max, &inner.cfg.holder_id)
+                        .with_resource(name)
+                        .with_engine(engine);
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(refused);
+                    }
+                    let pause = retry_in.unwrap_or(max_backoff).min(max_backoff);
+                    tokio::time::sleep(jitter(pause.max(Duration::from_millis(2))).min(left)).await;
+                    continue;
                 }
                 Err(e) => e,
             };

@@ -50,6 +50,7 @@ pub struct ClientBuilder {
     url: String,
     prefix: String,
     client_name: String,
+    named: bool,
     max_ttl: Duration,
     op_timeout: Duration,
 }
@@ -64,8 +65,13 @@ impl ClientBuilder {
 
     /// The client name recorded with every lease, shown by `inspect`. Default `fencelock`.
     /// Checked like a resource name (1 to 256 bytes, no control characters) on connect.
+    ///
+    /// The name is also who the client is for a `max-held-per-client` limit stored in the
+    /// engine: clients of one name share its quota. A client given no name counts alone,
+    /// under a random id of its own.
     pub fn client_name(mut self, name: impl Into<String>) -> ClientBuilder {
         self.client_name = name.into();
+        self.named = true;
         self
     }
 
@@ -128,6 +134,11 @@ impl ClientBuilder {
             prefix: self.prefix.clone(),
             op_timeout: self.op_timeout,
             max_ttl: self.max_ttl,
+            holder_id: if self.named {
+                self.client_name.clone()
+            } else {
+                format!("{:032x}", rand::random::<u128>())
+            },
         })
     }
 
@@ -178,6 +189,7 @@ impl Client {
             url: url.into(),
             prefix: DEFAULT_PREFIX.to_owned(),
             client_name: "fencelock".to_owned(),
+            named: false,
             max_ttl: Duration::from_secs(24 * 3600),
             op_timeout: Duration::from_secs(5),
         }
@@ -191,6 +203,39 @@ impl Client {
     /// The backend URL, password redacted.
     pub fn url(&self) -> &str {
         &self.inner.calls.url
+    }
+
+    /// The limits stored in the engine under this client's prefix, as each node (one entry
+    /// per Redlock node; one for every other engine) has them.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Engine`] when the engine cannot be read at all.
+    pub async fn limits(&self) -> Result<Vec<crate::core::limits::StoredLimits>> {
+        let engine = self.inner.engine.clone();
+        self.inner
+            .calls
+            .traced("limits", self.inner.cfg.op_timeout, engine.limits())
+            .await
+    }
+
+    /// Stores `limits` in the engine under this client's prefix (on every node), where every
+    /// grant and renewal under the prefix is checked against them; empty limits remove them.
+    /// Leases granted before keep their TTL; renewing one beyond a new cap is refused.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] for a cap below the minimum TTL or a quota of zero;
+    /// [`ErrorKind::Engine`] unless every node stored them.
+    pub async fn set_limits(&self, limits: &crate::core::limits::Limits) -> Result<()> {
+        limits.validate()?;
+        let engine = self.inner.engine.clone();
+        self.inner
+            .calls
+            .traced(
+                "limits",
+                self.inner.cfg.op_timeout,
+                engine.set_limits(limits),
+            )
+            .await
     }
 
     /// The engine keys a resource name maps to, labelled (`lock`, `fence`, ...), so that other
@@ -252,6 +297,11 @@ impl ClientInner {
                 self.watchdog.confirmed(lease.id, started);
                 Ok(())
             }
+            // The engine's limit refused it: the lease stays valid until its deadline, which the
+            // refusal did not move, and the caller learns why.
+            Some(Renewed::OverLimit(max)) => Err(crate::core::limits::ttl_refused(*max, lease.ttl)
+                .with_resource(&lease.resource)
+                .with_engine(self.engine.kind())),
             Some(Renewed::Extended) => {
                 lease.mark_lost(
                     Loss::Expired,

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use crate::core::error::Result;
 use crate::core::holder::{Holder, HolderMeta};
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock, Leader};
 use crate::core::token::FencingToken;
 use crate::core::wake::WakeRx;
@@ -35,6 +36,9 @@ pub(crate) struct EngineConfig {
     pub op_timeout: Duration,
     /// The longest TTL any lease of this client may have.
     pub max_ttl: Duration,
+    /// Who this client is for the `max-held-per-client` limit: its client name, or a random
+    /// id when it was given none.
+    pub holder_id: String,
 }
 
 /// One acquisition attempt as the engine sees it.
@@ -62,6 +66,12 @@ pub(crate) enum Attempt {
         /// the attempt was sent, so a release right after the answer is not missed.
         wake: Option<WakeRx>,
     },
+    /// Refused by the `max-held-per-client` limit (`max`): this client holds that many leases
+    /// under the prefix already. `retry_in` is when the engine expects one of them to expire.
+    OverQuota {
+        max: u32,
+        retry_in: Option<Duration>,
+    },
 }
 
 /// One lease to renew in a batch.
@@ -82,6 +92,10 @@ pub(crate) enum Renewed {
     /// Neither confirmed nor refused (a quorum engine reached too few nodes, the call failed or
     /// was not answered in time), for this reason: a failed renewal.
     Failed(String),
+    /// Refused by the `max-ttl` limit stored in the engine (the cap, in the error): the
+    /// expiry stays where the last grant or renewal put it. Refused rather than cut to the
+    /// cap, so the engine's expiry never falls short of the validity the client counts.
+    OverLimit(Duration),
 }
 
 /// The lock, which every engine has.
@@ -126,6 +140,13 @@ pub(crate) trait Engine: Send + Sync + 'static {
     /// The audit log of forced releases under this client's prefix, of one resource or all,
     /// newest first.
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>>;
+
+    /// The limits stored under this client's prefix, as each node (or the database) has them.
+    async fn limits(&self) -> Result<Vec<StoredLimits>>;
+
+    /// Stores `limits` under this client's prefix, on every node; empty limits remove them.
+    /// Fails unless every node stored them.
+    async fn set_limits(&self, limits: &Limits) -> Result<()>;
 }
 
 /// A FIFO queue of waiters kept by the engine, which one attempt joins (fair mode): the client

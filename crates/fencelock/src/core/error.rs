@@ -24,6 +24,10 @@ pub enum ErrorKind {
     InvalidInput,
     /// The engine failed, misbehaved or could not be reached.
     Engine,
+    /// A limit stored in the engine under the prefix refused the grant or renewal: a TTL
+    /// above its `max-ttl`, or a client already holding its `max-held-per-client` leases.
+    /// The message names the limit and its value.
+    LimitExceeded,
 }
 
 impl ErrorKind {
@@ -36,6 +40,7 @@ impl ErrorKind {
             ErrorKind::TimedOut => "timed out",
             ErrorKind::InvalidInput => "invalid input",
             ErrorKind::Engine => "engine error",
+            ErrorKind::LimitExceeded => "limit exceeded",
         }
     }
 }

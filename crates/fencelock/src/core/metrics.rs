@@ -16,10 +16,11 @@
 //! | [`LEASES_LOST`] | counter | `engine`, `resource`, `reason` | leases marked lost |
 //! | [`STALE_TOKEN_REJECTIONS`] | counter | `resource` | writes refused by a [fence](crate::fence) |
 //!
-//! `outcome` is one of `acquired`, `held`, `timed_out`, `error`, `invalid`; an acquire failure's
-//! `reason` is `held` (one attempt found the lock held), `timed_out` (the wait ran out),
-//! `engine` or `invalid`. A lease is lost for `expired` (its validity ended without a confirmed
-//! renewal), `not_holder` (the engine lists another owner, or none) or `renewals_failed`. An
+//! `outcome` is one of `acquired`, `held`, `timed_out`, `error`, `invalid`, `limit`; an acquire
+//! failure's `reason` is `held` (one attempt found the lock held), `timed_out` (the wait ran
+//! out), `engine`, `invalid` or `limit` (a limit stored in the engine refused it). A lease is
+//! lost for `expired` (its validity ended without a confirmed renewal), `not_holder` (the
+//! engine lists another owner, or none) or `renewals_failed`. An
 //! acquisition whose future is dropped is not recorded: it has no outcome.
 //!
 //! The watchdog renews many leases in one engine call; [`RENEWALS`] still counts one attempt
@@ -81,7 +82,7 @@ pub const MAX_RESOURCE_LABELS: usize = 200;
 pub const ACQUIRE_DURATION: &str = "fencelock_acquire_duration_seconds";
 
 /// Failed acquisitions, by engine, resource and reason (`held`, `timed_out`, `engine`,
-/// `invalid`).
+/// `invalid`, `limit`).
 pub const ACQUIRE_FAILURES: &str = "fencelock_acquire_failures_total";
 
 /// Time from grant to release, loss or drop of a lease in seconds, by engine and resource.
@@ -129,7 +130,7 @@ pub fn describe() {
     );
     metrics::describe_counter!(
         ACQUIRE_FAILURES,
-        "Acquire calls that failed, by reason (held, timed_out, engine, invalid)"
+        "Acquire calls that failed, by reason (held, timed_out, engine, invalid, limit)"
     );
     metrics::describe_histogram!(
         HOLD_DURATION,
@@ -209,6 +210,7 @@ pub(crate) fn acquire_finished(
         Err(ErrorKind::HeldByAnother) => ("held", Some("held")),
         Err(ErrorKind::TimedOut) => ("timed_out", Some("timed_out")),
         Err(ErrorKind::InvalidInput) => ("invalid", Some("invalid")),
+        Err(ErrorKind::LimitExceeded) => ("limit", Some("limit")),
         Err(_) => ("error", Some("engine")),
     };
     metrics::histogram!(
@@ -220,7 +222,7 @@ pub(crate) fn acquire_finished(
     .record(elapsed.as_secs_f64());
     // Every reason's series exists from the first attempt on: `increase()` cannot see the
     // first increment of a series that appears with it.
-    for r in ["held", "timed_out", "engine", "invalid"] {
+    for r in ["held", "timed_out", "engine", "invalid", "limit"] {
         metrics::counter!(
             ACQUIRE_FAILURES,
             "engine" => engine,

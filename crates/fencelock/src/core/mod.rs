@@ -14,6 +14,7 @@ pub(crate) mod engine;
 pub(crate) mod error;
 pub(crate) mod holder;
 pub(crate) mod lease;
+pub(crate) mod limits;
 pub mod metrics;
 pub(crate) mod name;
 pub(crate) mod options;

@@ -248,6 +248,12 @@ impl Shared {
                     continue;
                 }
                 Renewed::Failed(msg) => msg,
+                // The lease stays valid until its deadline, which the refusal did not move:
+                // two refusals in a row mark it lost, or the deadline does.
+                Renewed::OverLimit(max) => format!(
+                    "refused by the limit max-ttl = {}",
+                    crate::core::options::display_duration(max)
+                ),
             };
             e.failures += 1;
             tracing::warn!(resource = %e.lease.resource, failures = e.failures, error = %msg, "renewal failed");

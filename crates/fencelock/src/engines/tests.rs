@@ -1,12 +1,15 @@
 //! The compare-and-delete every engine's forced release must be, checked on the engines
 //! directly: the public API only ever passes the owner it has just inspected, so the race it
-//! guards against cannot be staged through it. One line per engine.
+//! guards against cannot be staged through it. One line per engine. And the limits stored in
+//! the engine, refused by the engine itself for a grant that skips every check of the client.
 
 use std::time::{Duration, SystemTime};
 
 use super::open;
-use crate::core::engine::{AcquireRequest, Attempt, Engine, EngineConfig};
+use crate::core::engine::{AcquireRequest, Attempt, Engine, EngineConfig, Renewal, Renewed};
+use crate::core::error::ErrorKind;
 use crate::core::holder::{Holder, HolderMeta};
+use crate::core::limits::Limits;
 use crate::core::records::AuditRecord;
 use crate::core::token::FencingToken;
 
@@ -15,6 +18,7 @@ fn config() -> EngineConfig {
         prefix: "t:".into(),
         op_timeout: Duration::from_secs(5),
         max_ttl: Duration::from_secs(3600),
+        holder_id: "tests".into(),
     }
 }
 
@@ -43,7 +47,7 @@ async fn grant(engine: &dyn Engine, name: &str, owner: &str) -> FencingToken {
     };
     match engine.try_acquire(&req).await.unwrap() {
         Attempt::Granted(t) => t,
-        Attempt::Held { .. } => unreachable!("{name} is held"),
+        Attempt::Held { .. } | Attempt::OverQuota { .. } => unreachable!("{name} is held"),
     }
 }
 
@@ -121,4 +125,155 @@ async fn postgres_lease_table_deletes_only_the_expected_owner() {
 async fn etcd_deletes_only_the_expected_owner() {
     let cluster = fencelock_testkit::EtcdCluster::start(1).unwrap();
     check_compare_and_delete(&cluster.url()).await;
+}
+
+/// A grant straight to the engine, past every check the client makes (its own TTL cap among
+/// them): a 5-minute TTL under a stored `max-ttl` of one minute is refused by the engine
+/// itself, and nothing is left held.
+async fn check_the_engine_refuses_a_ttl_above_its_cap(url: &str) {
+    let cfg = EngineConfig {
+        max_ttl: Duration::from_secs(300 * 24 * 3600),
+        ..config()
+    };
+    let engine = open(url, &cfg).await.unwrap().engine;
+    engine
+        .set_limits(&Limits::default().with_max_ttl(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let req = AcquireRequest {
+        name: "long".into(),
+        owner: "bypasser".into(),
+        ttl: Duration::from_secs(300),
+        meta: HolderMeta::current("holder".into()),
+    };
+    let e = engine.try_acquire(&req).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}");
+    assert!(e.to_string().contains("max-ttl = 1m"), "{e}");
+    assert!(engine.inspect("long").await.unwrap().is_none());
+    // A renewal to the same TTL straight to the engine is refused too.
+    let short = AcquireRequest {
+        ttl: Duration::from_secs(30),
+        ..req
+    };
+    assert!(matches!(
+        engine.try_acquire(&short).await.unwrap(),
+        Attempt::Granted(_)
+    ));
+    let renewal = Renewal {
+        name: "long".into(),
+        owner: "bypasser".into(),
+        ttl: Duration::from_secs(300),
+    };
+    assert_eq!(
+        engine.extend(&[renewal]).await.unwrap(),
+        vec![Renewed::OverLimit(Duration::from_secs(60))]
+    );
+    assert!(engine.release("long", "bypasser").await.unwrap());
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn sqlite_transaction_refuses_a_ttl_above_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    check_the_engine_refuses_a_ttl_above_its_cap(&format!(
+        "sqlite://{}/l.db",
+        dir.path().display()
+    ))
+    .await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_script_refuses_a_ttl_above_the_cap() {
+    let server = fencelock_testkit::RedisServer::start().unwrap();
+    check_the_engine_refuses_a_ttl_above_its_cap(&server.url()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redlock_scripts_refuse_a_ttl_above_the_cap() {
+    let nodes = fencelock_testkit::start_redis_nodes(3).unwrap();
+    check_the_engine_refuses_a_ttl_above_its_cap(&fencelock_testkit::redlock_url(&nodes)).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_statements_refuse_a_ttl_above_the_cap() {
+    let server = fencelock_testkit::PgServer::start().unwrap();
+    check_the_engine_refuses_a_ttl_above_its_cap(&server.url()).await;
+    check_the_engine_refuses_a_ttl_above_its_cap(&format!("{}?mode=lease", server.url())).await;
+}
+
+/// The acquire script run by hand, as a client that skips every check of this library would
+/// run it: refused with the cap in the reply, and the lock key never written.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
+    let server = fencelock_testkit::RedisServer::start().unwrap();
+    let out = server.cli(&["SET", "t:limits", "60000 0"]).unwrap();
+    assert!(out.status.success());
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut inv = super::redis::scripts::ACQUIRE.prepare_invoke();
+    for k in [
+        "lock:r", "fence:r", "meta:r", "node", "wait:r", "queue:r", "qexp:r", "qseq:r", "qinfo:r",
+        "limits", "held:me",
+    ] {
+        inv.key(format!("t:{k}"));
+    }
+    inv.arg("owner")
+        .arg(300_000)
+        .arg(0)
+        .arg("0123456789abcdef")
+        .arg(0)
+        .arg("1\nhost\nme")
+        .arg(0)
+        .arg("t:client:x")
+        .arg(0);
+    let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
+    assert_eq!(
+        reply.get(3),
+        Some(&::redis::Value::Int(60_000)),
+        "{reply:?}"
+    );
+    let exists = server.cli(&["EXISTS", "t:lock:r"]).unwrap();
+    assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
+}
+
+/// A file made by a version without the `holder_id` column gets it on first open, and its
+/// quota counts from then on.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn sqlite_file_of_an_older_version_gets_the_quota_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE fencelock_locks (key TEXT PRIMARY KEY, token INTEGER NOT NULL,
+               owner TEXT, boot_id TEXT, expires_at INTEGER, ttl_ms INTEGER, host TEXT,
+               pid INTEGER, client TEXT, acquired_at INTEGER, renewed_at INTEGER) WITHOUT ROWID;
+             INSERT INTO fencelock_locks (key, token) VALUES ('t:r', 41);",
+        )
+        .unwrap();
+    let engine = open(&format!("sqlite://{}", path.display()), &config())
+        .await
+        .unwrap()
+        .engine;
+    engine
+        .set_limits(&Limits::default().with_max_held_per_client(1))
+        .await
+        .unwrap();
+    assert_eq!(grant(&*engine, "r", "a").await, FencingToken::new(42));
+    let req = AcquireRequest {
+        name: "s".into(),
+        owner: "b".into(),
+        ttl: Duration::from_secs(60),
+        meta: HolderMeta::current("holder".into()),
+    };
+    assert!(matches!(
+        engine.try_acquire(&req).await.unwrap(),
+        Attempt::OverQuota { max: 1, .. }
+    ));
 }

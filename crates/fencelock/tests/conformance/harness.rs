@@ -25,6 +25,10 @@ pub struct Quirks {
     /// until the validity is over; a stuck SQLite writer makes each renewal wait out its
     /// whole timeout, so the second failure lands near the end.
     pub loss_before_validity_ends: bool,
+    /// Whether the `max-held-per-client` quota is counted by the engine across every client
+    /// of one name. etcd's is counted by each client over its own leases (the engine cannot
+    /// count inside a grant), so another process of the same name has a quota of its own.
+    pub quota_shared_by_name: bool,
 }
 
 /// What most engines do: expire a lock at its TTL on their own clock, record renewals, and notice an outage at the next two renewals.
@@ -34,6 +38,7 @@ const USUAL: Quirks = Quirks {
     ttl_left_known: true,
     renewals_recorded: true,
     loss_before_validity_ends: true,
+    quota_shared_by_name: true,
 };
 
 /// The lag of an engine that expires a lock at its TTL on its own clock: the drift allowance
@@ -371,6 +376,7 @@ mod etcd {
             expiry_lag: Duration::from_millis(2500),
             renewals_recorded: false,
             loss_before_validity_ends: false,
+            quota_shared_by_name: false,
             ..USUAL
         };
         const BAD_URLS: &'static [&'static str] = &[

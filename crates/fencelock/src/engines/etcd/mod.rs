@@ -9,6 +9,7 @@ pub(crate) mod acl;
 mod call;
 mod election;
 mod keys;
+mod limits;
 mod queue;
 mod runbook;
 mod session;
@@ -24,6 +25,7 @@ use crate::core::engine::{
 };
 use crate::core::error::Result;
 use crate::core::holder::Holder;
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use async_trait::async_trait;
 use keys::{Keys, DEFAULT_ETCD_PREFIX};
@@ -40,6 +42,8 @@ pub(crate) struct EtcdEngine {
     endpoints: String,
     /// Sessions by owner value.
     sessions: Mutex<HashMap<String, Session>>,
+    /// The limits of the prefix as last read, and when (see [`limits`]).
+    limits_seen: Mutex<Option<(tokio::time::Instant, Limits)>>,
 }
 
 /// Opens the engine for an `etcd://` / `etcds://` backend. Connecting is lazy: an unreachable
@@ -100,6 +104,7 @@ impl EtcdEngine {
                 .collect::<Vec<_>>()
                 .join(","),
             sessions: Mutex::new(HashMap::new()),
+            limits_seen: Mutex::new(None),
         })
     }
 }
@@ -119,7 +124,7 @@ impl Engine for EtcdEngine {
     }
 
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
-        self.renew(batch).await
+        self.renew_within_limits(batch).await
     }
 
     async fn release(&self, _name: &str, owner: &str) -> Result<bool> {
@@ -145,5 +150,13 @@ impl Engine for EtcdEngine {
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         self.read_audit(name).await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        self.read_limits().await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        self.store_limits(limits).await
     }
 }

@@ -152,6 +152,23 @@ impl WaitQueue for EtcdEngine {
     ) -> Result<(Attempt, Instant)> {
         let started = Instant::now();
         let deadline = started + wait;
+        // Checked by this client: etcd cannot make the grant conditional on them.
+        let limits = self.current_limits().await?;
+        if let Some(refused) = limits.check_ttl(req.ttl) {
+            return Err(refused.with_resource(&req.name).with_engine(KIND));
+        }
+        if let Some(max) = limits.max_held_per_client() {
+            let mine = self.sessions().keys().filter(|o| **o != req.owner).count();
+            if mine >= max as usize {
+                return Ok((
+                    Attempt::OverQuota {
+                        max,
+                        retry_in: None,
+                    },
+                    started,
+                ));
+            }
+        }
         let mut session = self.open_session(req, started).await?;
         let value = match campaign {
             Some(v) => v.to_owned(),

@@ -9,7 +9,7 @@
 //! wake-up). A forced release ends the holder's session with `pg_terminate_backend`, which a
 //! role may do to sessions of its own role without further grant.
 
-use super::SCHEMA;
+use super::{MIGRATIONS, SCHEMA};
 use crate::core::access::{sql_literal, validate_user, AccessPlan, AccessStep, AccessUser};
 use crate::core::error::Result;
 
@@ -21,6 +21,10 @@ const TABLES: &[(&str, &str)] = &[
     // Append-only for a service: forced releases add records, nobody rewrites them.
     ("fencelock_audit", "SELECT, INSERT"),
 ];
+
+/// Tables a service only reads, not keyed by name: the limits per prefix, which the operator
+/// (the tables' owner) sets with `fencelock limits`, and every grant checks.
+const READ_ONLY_TABLES: &[&str] = &["fencelock_limits"];
 
 /// The sequence behind `fencelock_audit.id`, which an insert advances.
 const SEQUENCES: &[&str] = &["fencelock_audit_id_seq"];
@@ -46,6 +50,8 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
         .filter(|s| !s.is_empty())
         .map(|s| AccessStep::sql(format!("{s};")))
         .collect();
+    // One statement (a DO block with semicolons of its own): the quota functions and columns.
+    owner_steps.push(AccessStep::sql(MIGRATIONS.trim().to_owned()));
     owner_steps.extend(
         TABLES
             .iter()
@@ -58,6 +64,9 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
             // psql asks for the password and sends only its hash.
             AccessStep::sql(format!("\\password {r}")),
         ];
+        for t in READ_ONLY_TABLES {
+            steps.push(AccessStep::sql(format!("GRANT SELECT ON {t} TO {r};")));
+        }
         if read_only {
             steps.push(AccessStep::sql(format!("GRANT SELECT ON {tables} TO {r};")));
         } else {
@@ -126,7 +135,7 @@ mod tests {
             if let Some(rest) = stmt.trim().strip_prefix("CREATE TABLE IF NOT EXISTS ") {
                 let table = rest.split_whitespace().next().unwrap_or_default();
                 assert!(
-                    TABLES.iter().any(|(t, _)| *t == table),
+                    TABLES.iter().any(|(t, _)| *t == table) || READ_ONLY_TABLES.contains(&table),
                     "{table} has no entry in TABLES of postgres/acl.rs"
                 );
             }

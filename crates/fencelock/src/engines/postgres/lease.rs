@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use tokio_postgres::types::{ToSql, Type};
@@ -15,41 +15,65 @@ use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
 use crate::core::error::Result;
 use crate::core::holder::{duration_from_millis, millis_of, unix_millis, Holder};
+use crate::core::limits::{ttl_refused, Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::sql::{self, SqlRow, AUDIT_COLUMNS, HOLDER_COLUMNS};
 use crate::core::token::FencingToken;
 
-/// Takes a free or expired row, or re-grants to the same owner (keeping its token); a fresh
-/// grant advances the token. Nothing is returned when another owner's lease is live.
+/// Checks the prefix's limits, then takes a free or expired row, or re-grants to the same
+/// owner (keeping its token); a fresh grant advances the token. `refused` is -1 for a TTL
+/// above `max-ttl` and, for a client holding `max-held-per-client` leases under the prefix,
+/// the milliseconds until its first one expires (`fencelock_lease_quota`); the row is then left
+/// alone. No token is returned when refused or when another owner's lease is live.
 const ACQUIRE: &str = "
-INSERT INTO fencelock_leases AS l
-    (key, token, owner, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at)
-VALUES ($1, 1, $2, clock_timestamp() + $3 * interval '1 millisecond', $3, $4, $5, $6, $7, $7)
-ON CONFLICT (key) DO UPDATE SET
-    token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
-                 THEN l.token ELSE l.token + 1 END,
-    acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
-                 THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
-    owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at, ttl_ms = EXCLUDED.ttl_ms,
-    host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client,
-    renewed_at = EXCLUDED.renewed_at
-WHERE l.owner IS NULL OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
-    OR l.owner = EXCLUDED.owner
-RETURNING token";
+WITH q AS MATERIALIZED (
+    SELECT CASE WHEN lim.max_ttl_ms > 0 AND $3 > lim.max_ttl_ms THEN -1
+                WHEN lim.max_held > 0 THEN fencelock_lease_quota($8, $9, $1, lim.max_held)
+                ELSE 0 END AS refused,
+           lim.max_ttl_ms, lim.max_held
+    FROM (SELECT 1) AS one LEFT JOIN fencelock_limits lim ON lim.prefix = $8
+),
+g AS (
+    INSERT INTO fencelock_leases AS l
+        (key, token, owner, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at,
+         holder_id)
+    SELECT $1, 1, $2, clock_timestamp() + $3 * interval '1 millisecond', $3, $4, $5, $6, $7, $7,
+           $9
+    FROM q WHERE q.refused = 0
+    ON CONFLICT (key) DO UPDATE SET
+        token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
+                     THEN l.token ELSE l.token + 1 END,
+        acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp()
+                     THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
+        owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at, ttl_ms = EXCLUDED.ttl_ms,
+        host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client,
+        renewed_at = EXCLUDED.renewed_at, holder_id = EXCLUDED.holder_id
+    WHERE l.owner IS NULL OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp()
+        OR l.owner = EXCLUDED.owner
+    RETURNING token
+)
+SELECT (SELECT token FROM g), q.refused, q.max_ttl_ms, q.max_held FROM q";
 
 /// The time a live lease has left (ms), read after the [`HOLDER_COLUMNS`] by [`holder_from`].
 const TTL_LEFT: &str =
     "GREATEST(0, extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint";
 const LIVE: &str = "owner IS NOT NULL AND expires_at > clock_timestamp()";
 
-/// Renews many leases in one statement; returns the ones still held by their owner.
+/// Renews many leases in one statement; returns the ones still held by their owner, and a
+/// last row with the prefix's `max-ttl` when one is set: a renewal beyond it is refused.
 const EXTEND: &str = "
-UPDATE fencelock_leases l
-SET expires_at = clock_timestamp() + b.ttl * interval '1 millisecond', ttl_ms = b.ttl,
-    renewed_at = $4
-FROM unnest($1::text[], $2::text[], $3::bigint[]) AS b(key, owner, ttl)
-WHERE l.key = b.key AND l.owner = b.owner AND l.expires_at > clock_timestamp()
-RETURNING l.key, l.owner";
+WITH cap AS (SELECT max_ttl_ms FROM fencelock_limits WHERE prefix = $5 AND max_ttl_ms > 0),
+u AS (
+    UPDATE fencelock_leases l
+    SET expires_at = clock_timestamp() + b.ttl * interval '1 millisecond', ttl_ms = b.ttl,
+        renewed_at = $4
+    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS b(key, owner, ttl)
+    WHERE l.key = b.key AND l.owner = b.owner AND l.expires_at > clock_timestamp()
+      AND NOT EXISTS (SELECT 1 FROM cap WHERE b.ttl > cap.max_ttl_ms)
+    RETURNING l.key, l.owner
+)
+SELECT key, owner, NULL::bigint FROM u
+UNION ALL SELECT NULL, NULL, max_ttl_ms FROM cap";
 
 /// Clears the owner (the row keeps the token) and, if the lease was live, wakes the waiters.
 const RELEASE: &str = "
@@ -192,13 +216,39 @@ impl Engine for LeaseEngine {
                     (&i64::from(req.meta.pid), Type::INT8),
                     (&req.meta.client, Type::TEXT),
                     (&now, Type::INT8),
+                    (&self.shared.prefix, Type::TEXT),
+                    (&self.shared.holder_id, Type::TEXT),
                 ],
             )
             .await?;
-        if let Some(r) = rows.first() {
-            return Ok(Attempt::Granted(FencingToken::from_stored(
-                self.read(r.try_get(0))?,
-            )));
+        let Some(r) = rows.first() else {
+            return Err(crate::core::error::Error::engine_failure(
+                self.shared.kind,
+                "the grant statement answered no row",
+            ));
+        };
+        if let Some(token) = self.read(r.try_get::<_, Option<i64>>(0))? {
+            return Ok(Attempt::Granted(FencingToken::from_stored(token)));
+        }
+        let refused: i64 = self.read(r.try_get(1))?;
+        if refused != 0 {
+            let limits = Limits::from_stored(
+                self.read(r.try_get::<_, Option<i64>>(2))?.unwrap_or(0),
+                self.read(r.try_get::<_, Option<i64>>(3))?.unwrap_or(0),
+            );
+            return match (refused < 0, limits.max_ttl(), limits.max_held_per_client()) {
+                (true, Some(max), _) => Err(ttl_refused(max, req.ttl)
+                    .with_resource(&req.name)
+                    .with_engine(self.shared.kind)),
+                (_, _, Some(max)) => Ok(Attempt::OverQuota {
+                    max,
+                    retry_in: u64::try_from(refused).ok().map(Duration::from_millis),
+                }),
+                _ => Err(crate::core::error::Error::engine_failure(
+                    self.shared.kind,
+                    "unexpected grant answer",
+                )),
+            };
         }
         let holder = self.inspect(&req.name).await?;
         Ok(Attempt::Held {
@@ -221,24 +271,30 @@ impl Engine for LeaseEngine {
                     (&owners, Type::TEXT_ARRAY),
                     (&ttls, Type::INT8_ARRAY),
                     (&now, Type::INT8),
+                    (&self.shared.prefix, Type::TEXT),
                 ],
             )
             .await?;
         let mut extended = std::collections::HashSet::with_capacity(rows.len());
+        let mut cap = None;
         for r in &rows {
-            let key: String = self.read(r.try_get(0))?;
-            let owner: String = self.read(r.try_get(1))?;
-            extended.insert((key, owner));
+            match self.read(r.try_get::<_, Option<i64>>(2))? {
+                Some(ms) => cap = u64::try_from(ms).ok().map(Duration::from_millis),
+                None => {
+                    let key: String = self.read(r.try_get(0))?;
+                    let owner: String = self.read(r.try_get(1))?;
+                    extended.insert((key, owner));
+                }
+            }
         }
         Ok(keys
             .into_iter()
             .zip(owners)
-            .map(|pair| {
-                if extended.contains(&pair) {
-                    Renewed::Extended
-                } else {
-                    Renewed::NotHolder
-                }
+            .zip(batch)
+            .map(|(pair, r)| match cap.filter(|max| r.ttl > *max) {
+                Some(max) => Renewed::OverLimit(max),
+                None if extended.contains(&pair) => Renewed::Extended,
+                None => Renewed::NotHolder,
             })
             .collect())
     }
@@ -334,6 +390,16 @@ impl Engine for LeaseEngine {
         record.holder.ttl_left = None;
         record.counter = FencingToken::from_stored(self.read(r.try_get(8))?);
         Ok(Some(record))
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        let client = self.client().await?;
+        self.shared.read_limits(&client).await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        let client = self.client().await?;
+        self.shared.write_limits(&client, limits).await
     }
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {

@@ -62,6 +62,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::AuditRecord;
 use crate::core::sql::{
     audit_insert_sql, audit_record, audit_select_sql, audit_values, SqlRow, SqlValue,
@@ -118,7 +119,66 @@ CREATE TABLE IF NOT EXISTS fencelock_audit (
     counter       bigint NOT NULL
 );
 CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
+CREATE TABLE IF NOT EXISTS fencelock_limits (
+    prefix      text PRIMARY KEY,
+    max_ttl_ms  bigint NOT NULL,
+    max_held    bigint NOT NULL
+);
 ";
+
+/// What was added after the first release, to databases created without it, checked before it
+/// is changed so that a role that does not own the tables can still open them once they are
+/// up to date: the `holder_id` columns, and the functions that count a client's leases for
+/// the `max-held-per-client` limit.
+///
+/// The functions serialise the grants of one client under one prefix on a transaction
+/// advisory lock (in the two-key space, apart from the locks' own keys) and only then count,
+/// in a statement of their own: PL/pgSQL's volatile functions take a new snapshot per
+/// statement, so the count sees every grant committed by whoever held that lock before. A
+/// count in the grant statement itself would see only its snapshot, and two grants of one
+/// client racing on two names could both pass. They answer 0 within the quota; otherwise the
+/// milliseconds until the client's first lease expires (lease table), or 1.
+pub(super) const MIGRATIONS: &str = r#"
+DO $m$ BEGIN
+IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+               WHERE table_name = 'fencelock_tokens' AND column_name = 'holder_id'
+                 AND table_schema = current_schema()) THEN
+    ALTER TABLE fencelock_tokens ADD COLUMN holder_id text;
+END IF;
+IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+               WHERE table_name = 'fencelock_leases' AND column_name = 'holder_id'
+                 AND table_schema = current_schema()) THEN
+    ALTER TABLE fencelock_leases ADD COLUMN holder_id text;
+END IF;
+IF to_regprocedure('fencelock_advisory_quota(text,text,text,bigint)') IS NULL THEN
+    CREATE FUNCTION fencelock_advisory_quota(p text, h text, k text, m bigint) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE AS $f$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(hashtext('fencelock-quota'), hashtext(p || h));
+        RETURN CASE WHEN (
+            SELECT count(*) FROM fencelock_tokens t JOIN pg_locks l
+              ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+             AND l.pid = t.backend_pid
+             AND ((l.classid::bigint << 32) | l.objid::bigint) = t.lock_key
+            WHERE t.holder_id = h AND left(t.key, length(p)) = p AND t.key <> k) >= m
+        THEN 1 ELSE 0 END;
+    END $f$;
+END IF;
+IF to_regprocedure('fencelock_lease_quota(text,text,text,bigint)') IS NULL THEN
+    CREATE FUNCTION fencelock_lease_quota(p text, h text, k text, m bigint) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE AS $f$
+    DECLARE n bigint; first timestamptz;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(hashtext('fencelock-quota'), hashtext(p || h));
+        SELECT count(*), min(expires_at) INTO n, first FROM fencelock_leases
+        WHERE holder_id = h AND left(key, length(p)) = p AND key <> k
+          AND owner IS NOT NULL AND expires_at > clock_timestamp();
+        IF n < m THEN RETURN 0; END IF;
+        RETURN GREATEST(1, extract(epoch FROM first - clock_timestamp()) * 1000)::bigint;
+    END $f$;
+END IF;
+END $m$;
+"#;
 
 /// Opens a client's connections: in advisory mode the lock and the feed of leases lost with a
 /// session; in lease-table mode the lock alone.
@@ -131,6 +191,7 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
         config,
         tls,
         prefix: cfg.prefix.clone(),
+        holder_id: cfg.holder_id.clone(),
         op_timeout: cfg.op_timeout,
         channel: channel_name(&cfg.prefix),
         wakers: Arc::new(Wakers::default()),
@@ -291,6 +352,8 @@ pub(crate) struct Shared {
     config: Config,
     tls: MakeRustlsConnect,
     prefix: String,
+    /// Who this client is for the `max-held-per-client` limit.
+    holder_id: String,
     op_timeout: Duration,
     channel: String,
     wakers: Arc<Wakers>,
@@ -339,6 +402,61 @@ impl Shared {
 
     async fn connect(&self) -> Result<Client> {
         self.connect_with(|| {}).await
+    }
+
+    /// The limits stored for this prefix.
+    async fn read_limits(&self, client: &Client) -> Result<Vec<StoredLimits>> {
+        let rows = self
+            .bounded(client.query(
+                "SELECT max_ttl_ms, max_held FROM fencelock_limits WHERE prefix = $1",
+                &[&self.prefix],
+            ))
+            .await?;
+        let limits = match rows.first() {
+            Some(r) => {
+                let (t, h): (i64, i64) = (
+                    r.try_get(0)
+                        .map_err(|e| self.error("unexpected answer", e))?,
+                    r.try_get(1)
+                        .map_err(|e| self.error("unexpected answer", e))?,
+                );
+                Some(Limits::from_stored(t, h)).filter(|l| !l.is_empty())
+            }
+            None => None,
+        };
+        let node = format!(
+            "database {}",
+            self.config.get_dbname().unwrap_or("postgres")
+        );
+        Ok(vec![StoredLimits {
+            node,
+            limits: Ok(limits),
+        }])
+    }
+
+    /// Stores (or, empty, deletes) the limits of this prefix.
+    async fn write_limits(&self, client: &Client, limits: &Limits) -> Result<()> {
+        let (prefix, ttl, held) = (&self.prefix, limits.max_ttl_ms(), limits.max_held_value());
+        let empty = limits.is_empty();
+        self.bounded(async move {
+            if empty {
+                client
+                    .execute("DELETE FROM fencelock_limits WHERE prefix = $1", &[prefix])
+                    .await
+            } else {
+                client
+                    .execute(
+                        "INSERT INTO fencelock_limits (prefix, max_ttl_ms, max_held)
+                         VALUES ($1, $2, $3)
+                         ON CONFLICT (prefix) DO UPDATE SET
+                           max_ttl_ms = EXCLUDED.max_ttl_ms, max_held = EXCLUDED.max_held",
+                        &[prefix, &ttl, &held],
+                    )
+                    .await
+            }
+        })
+        .await
+        .map(|_| ())
     }
 
     fn subscribe(&self, name: &str) -> WakeRx {
@@ -483,10 +601,17 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
         })
         .filter_map(|rest| rest.split_whitespace().next())
         .collect();
-    // Unnamed, as every statement that may pass through a transaction pooler.
+    // Unnamed, as every statement that may pass through a transaction pooler. The later
+    // additions count too: tables made before them still need the migrations.
     let rows = client
         .query_typed(
-            "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) n",
+            "SELECT bool_and(to_regclass(n) IS NOT NULL)
+                    AND to_regprocedure('fencelock_advisory_quota(text,text,text,bigint)') IS NOT NULL
+                    AND to_regprocedure('fencelock_lease_quota(text,text,text,bigint)') IS NOT NULL
+                    AND (SELECT count(*) = 2 FROM information_schema.columns
+                         WHERE column_name = 'holder_id' AND table_schema = current_schema()
+                           AND table_name IN ('fencelock_tokens', 'fencelock_leases'))
+             FROM unnest($1::text[]) n",
             &[(&names, Type::TEXT_ARRAY)],
         )
         .await?;
@@ -500,7 +625,7 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
     let lock = advisory_key("fencelock:", "schema");
     client
         .batch_execute(&format!(
-            "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} COMMIT;"
+            "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} {MIGRATIONS} COMMIT;"
         ))
         .await
 }

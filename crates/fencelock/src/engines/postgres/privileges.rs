@@ -14,6 +14,7 @@ pub const PG_OBJECTS: &[&str] = &[
     "fencelock_audit",
     "fencelock_audit_id_seq",
     "fencelock_audit_by_key",
+    "fencelock_limits",
 ];
 
 /// One privilege a mode needs on one of [`PG_OBJECTS`], and what for.
@@ -44,8 +45,8 @@ const fn p(
     }
 }
 
-/// Forced releases and the audit log, alike in both modes.
-const AUDIT: [PgPrivilege; 3] = [
+/// Forced releases, the audit log and the stored limits, alike in both modes.
+const AUDIT: [PgPrivilege; 4] = [
     p("fencelock_audit", "table", "SELECT", "audit"),
     p("fencelock_audit", "table", "INSERT", "release --force"),
     p(
@@ -54,9 +55,15 @@ const AUDIT: [PgPrivilege; 3] = [
         "USAGE",
         "release --force",
     ),
+    p(
+        "fencelock_limits",
+        "table",
+        "SELECT",
+        "acquire, extend, limits show",
+    ),
 ];
 
-const ADVISORY: [PgPrivilege; 6] = [
+const ADVISORY: [PgPrivilege; 7] = [
     p(
         "fencelock_tokens",
         "table",
@@ -73,9 +80,10 @@ const ADVISORY: [PgPrivilege; 6] = [
     AUDIT[0],
     AUDIT[1],
     AUDIT[2],
+    AUDIT[3],
 ];
 
-const LEASE: [PgPrivilege; 6] = [
+const LEASE: [PgPrivilege; 7] = [
     p(
         "fencelock_leases",
         "table",
@@ -92,6 +100,7 @@ const LEASE: [PgPrivilege; 6] = [
     AUDIT[0],
     AUDIT[1],
     AUDIT[2],
+    AUDIT[3],
 ];
 
 impl PgMode {

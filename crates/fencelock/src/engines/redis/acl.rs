@@ -48,6 +48,7 @@ pub const REDIS_COMMANDS: &[&str] = &[
     "zrange",
     "zrangebyscore",
     "zrem",
+    "zremrangebyscore",
     "zscore",
 ];
 

@@ -43,6 +43,13 @@ enum NodeAttempt {
         holder: Option<Holder>,
         pttl: Option<Duration>,
     },
+    /// The TTL is above the node's `max-ttl` (ms).
+    TtlCapped(u64),
+    /// The client holds the node's `max-held-per-client` leases; one expires in `retry`.
+    OverQuota {
+        max: u32,
+        retry: Duration,
+    },
 }
 
 impl RedisEngine {
@@ -89,6 +96,8 @@ impl RedisEngine {
             .key(&keys.qexp)
             .key(&keys.qseq)
             .key(&keys.qinfo)
+            .key(&self.limits_key)
+            .key(&self.held_key)
             .arg(&req.owner)
             .arg(ms(req.ttl))
             .arg(floor)
@@ -114,6 +123,18 @@ impl RedisEngine {
                     .and_then(as_string)
                     .map(|owner| holder_from(owner, pttl, reply.get(4)));
                 Ok(NodeAttempt::Held { holder, pttl })
+            }
+            Some(2) => {
+                let max = reply.get(3).and_then(as_u64).ok_or_else(bad)?;
+                Ok(NodeAttempt::TtlCapped(max))
+            }
+            Some(3) => {
+                let retry = reply.get(1).and_then(as_u64).ok_or_else(bad)?;
+                let max = reply.get(3).and_then(as_u64).ok_or_else(bad)?;
+                Ok(NodeAttempt::OverQuota {
+                    max: u32::try_from(max).unwrap_or(u32::MAX),
+                    retry: Duration::from_millis(retry),
+                })
             }
             _ => Err(bad()),
         }
@@ -144,7 +165,7 @@ impl RedisEngine {
             .answers()
             .filter_map(|a| match a {
                 NodeAttempt::Granted(t) => Some(*t),
-                NodeAttempt::Held { .. } => None,
+                _ => None,
             })
             .max()
             .unwrap_or(0);
@@ -152,9 +173,20 @@ impl RedisEngine {
             .answers()
             .filter_map(|a| match a {
                 NodeAttempt::Held { holder, pttl } => Some((holder.clone(), *pttl)),
-                NodeAttempt::Granted(_) => None,
+                _ => None,
             })
             .collect();
+        let capped = answers.answers().find_map(|a| match a {
+            NodeAttempt::TtlCapped(max) => Some(*max),
+            _ => None,
+        });
+        let quota = answers
+            .answers()
+            .filter_map(|a| match a {
+                NodeAttempt::OverQuota { max, retry } => Some((*max, *retry)),
+                _ => None,
+            })
+            .min_by_key(|(_, retry)| *retry);
         let mut errors = answers.errors();
 
         if votes >= self.quorum {
@@ -171,6 +203,22 @@ impl RedisEngine {
             // every node, including those that timed out.
             self.release_everywhere(&keys, &req.owner, Release::KeepWaiting, limit)
                 .await;
+        }
+        // A limit refused it on some node and no quorum granted: the limit is the answer.
+        if let Some(max) = capped {
+            return Err(
+                crate::core::limits::ttl_refused(Duration::from_millis(max), req.ttl)
+                    .with_resource(&req.name)
+                    .with_engine(self.kind),
+            );
+        }
+        if let Some((max, retry)) = quota {
+            if holders.len() < self.quorum {
+                return Ok(Attempt::OverQuota {
+                    max,
+                    retry_in: Some(retry),
+                });
+            }
         }
         // Nobody else holds it, or too few nodes answered for any grant to be possible:
         // that is an engine problem, not contention.

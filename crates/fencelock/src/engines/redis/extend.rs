@@ -1,5 +1,7 @@
 //! Owner-checked renewal of a batch of leases on every node.
 
+use std::time::Duration;
+
 use super::node::{Node, NodeResult};
 use super::values::ms;
 use super::votes::Verdict;
@@ -11,11 +13,13 @@ use crate::core::error::Result;
 const EXTEND_CHUNK: usize = 1000;
 
 impl RedisEngine {
-    async fn extend_on(&self, node: &Node, batch: &[Renewal]) -> NodeResult<Vec<bool>> {
+    /// Per lease: 1 extended, 0 not the holder, minus the cap (ms) when refused by it.
+    async fn extend_on(&self, node: &Node, batch: &[Renewal]) -> NodeResult<Vec<i64>> {
         let mut out = Vec::with_capacity(batch.len());
         let limit = self.op_timeout;
         for chunk in batch.chunks(EXTEND_CHUNK) {
             let mut inv = scripts::EXTEND.prepare_invoke();
+            inv.key(&self.limits_key).key(&self.held_key);
             for r in chunk {
                 let k = self.keys(&r.name);
                 inv.key(k.lock).key(k.meta).arg(&r.owner).arg(ms(r.ttl));
@@ -27,7 +31,7 @@ impl RedisEngine {
                     node.addr
                 ));
             }
-            out.extend(flags.into_iter().map(|f| f == 1));
+            out.extend(flags);
         }
         Ok(out)
     }
@@ -37,10 +41,19 @@ impl RedisEngine {
         let per_node = self.ask(|n| self.extend_on(n, batch)).await;
         per_node.unless_every_node_failed()?;
         Ok((0..batch.len())
-            .map(|i| match per_node.verdict(|extended| extended[i]) {
-                Verdict::Yes => Renewed::Extended,
-                Verdict::No => Renewed::NotHolder,
-                Verdict::Open => Renewed::Failed("too few nodes confirmed the renewal".to_owned()),
+            .map(|i| {
+                let refused_by = per_node.answers().map(|f| f[i]).min().filter(|f| *f < 0);
+                match per_node.verdict(|flags| flags[i] == 1) {
+                    Verdict::Yes => Renewed::Extended,
+                    // Refused by a node's cap, and not extended on a quorum.
+                    _ if refused_by.is_some() => Renewed::OverLimit(Duration::from_millis(
+                        refused_by.map_or(0, i64::unsigned_abs),
+                    )),
+                    Verdict::No => Renewed::NotHolder,
+                    Verdict::Open => {
+                        Renewed::Failed("too few nodes confirmed the renewal".to_owned())
+                    }
+                }
             })
             .collect())
     }

@@ -13,14 +13,17 @@
 //! | `P client: C` | pub/sub channel | the handoffs to the fair waiters of one client (`C`: a random id per client) |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |
 //! | `P seen: N` | string | the highest token a [`RedisFence`](crate::fence::RedisFence) has accepted for resource `N` |
+//! | `P limits` | string | the limits stored by `fencelock limits set`: `max_ttl_ms max_held`, 0 for none (no expiry) |
+//! | `P held: C` | zset | the leases client `C` (its name, or its random id) holds under the prefix, owner -> expiry (ms); kept only while a `max-held-per-client` limit is set |
 //! | `P audit` | stream | the audit log of forced releases under this prefix, capped near 10,000 entries |
 //!
 //! Every key is the prefix, then a category ending in `:`, then the name verbatim (or nothing,
 //! for `node` and `audit`, which belong to the prefix, not to one name). Two keys of different
 //! categories differ right after the prefix; two keys of one category differ exactly where
 //! their names differ. So no two distinct names ever share a key, whatever bytes the names hold
-//! (`:`, `{`, `}` included), and no name's key is `P node` or `P audit`: after the prefix,
-//! every name's key starts with a category and a `:`, which neither `node` nor `audit` does.
+//! (`:`, `{`, `}` included), and no name's key is `P node`, `P limits` or `P audit`: after the
+//! prefix, every name's key starts with a category and a `:`, which none of those does. A
+//! client's `held` set is a category of its own, named by the client instead of a resource.
 //!
 //! `fencelock list` finds held locks with `SCAN MATCH` on `P lock:` followed by the name prefix,
 //! both glob-escaped ([`lock_pattern`]), so a prefix or name holding `*`, `?`, `[`, `]` or `\`
@@ -72,6 +75,16 @@ impl Keys {
             ("wake", self.wake.clone()),
         ]
     }
+}
+
+/// The limits stored under `prefix`.
+pub(crate) fn limits_key(prefix: &str) -> String {
+    format!("{prefix}limits")
+}
+
+/// The set of leases client `holder` holds under `prefix`.
+pub(crate) fn held_key(prefix: &str, holder: &str) -> String {
+    format!("{prefix}held:{holder}")
 }
 
 pub(crate) fn node_key(prefix: &str) -> String {

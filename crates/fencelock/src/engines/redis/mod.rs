@@ -16,10 +16,11 @@ pub(crate) mod acl;
 mod acquire;
 mod extend;
 mod keys;
+mod limits;
 mod node;
 mod release;
 mod runbook;
-mod scripts;
+pub(super) mod scripts;
 pub(crate) mod url;
 mod values;
 mod votes;
@@ -36,6 +37,7 @@ use crate::core::engine::{
 };
 use crate::core::error::{Error, Result};
 use crate::core::holder::Holder;
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::wake::Wakers;
 use keys::Keys;
@@ -71,6 +73,8 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         prefix: cfg.prefix.clone(),
         op_timeout: cfg.op_timeout,
         max_ttl: cfg.max_ttl,
+        limits_key: keys::limits_key(&cfg.prefix),
+        held_key: keys::held_key(&cfg.prefix, &cfg.holder_id),
         wakers,
         channel,
         shutdown,
@@ -116,6 +120,9 @@ pub(crate) struct RedisEngine {
     prefix: String,
     op_timeout: Duration,
     max_ttl: Duration,
+    /// Where the limits of the prefix are stored, and this client's set of held leases.
+    limits_key: String,
+    held_key: String,
     wakers: Arc<Wakers>,
     /// This client's own wake-up channel: handoffs to its fair waiters.
     channel: String,
@@ -199,5 +206,13 @@ impl Engine for RedisEngine {
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         self.read_audit(name).await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        self.read_limits().await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        self.store_limits(limits).await
     }
 }

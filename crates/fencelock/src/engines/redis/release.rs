@@ -37,6 +37,8 @@ impl RedisEngine {
             .key(&keys.qexp)
             .key(&keys.qinfo)
             .key(&keys.fence)
+            .key(&self.held_key)
+            .key(&self.limits_key)
             .arg(owner)
             .arg(&keys.wake)
             .arg(u8::from(self.one_node()))

@@ -37,6 +37,34 @@ local function advance(fence, floor)
   end
   return s
 end
+-- The limits stored under the prefix (`fencelock limits set`), `max_ttl_ms max_held` with 0
+-- for none: two numbers, both 0 when the key is absent or malformed.
+local function parse_limits(lim)
+  if not lim then
+    return 0, 0
+  end
+  local mt, mh = string.match(lim, '^(%d+) (%d+)$')
+  return tonumber(mt) or 0, tonumber(mh) or 0
+end
+-- The server's clock in ms.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Counts a grant of `owner` (expiring at `expires` ms) in its client's set of held leases,
+-- which lives as long as its longest entry.
+local function count_held(held, owner, expires, ttl)
+  redis.call('ZADD', held, expires, owner)
+  if redis.call('PTTL', held) < tonumber(ttl) then
+    redis.call('PEXPIRE', held, ttl)
+  end
+end
+-- Whether the client of set `held` may take one more lease under a quota of `mh` at `now`:
+-- its expired entries go first; `owner`'s own entry (a retried grant) does not count.
+local function within_quota(held, owner, mh, now)
+  redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+  return redis.call('ZSCORE', held, owner) or redis.call('ZCARD', held) < mh
+end
 -- The holder metadata string (see above).
 local function meta_value(token, owner, ttl, acquired_at, who)
   return token .. '\n' .. owner .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
@@ -64,14 +92,19 @@ fn with_shared(body: &str) -> Script {
 
 /// Acquire, advancing the fencing counter in the same step.
 ///
-/// KEYS: lock, fence, meta, node, wait, queue, qexp, qseq, qinfo.
+/// KEYS: lock, fence, meta, node, wait, queue, qexp, qseq, qinfo, limits, held (this client's
+/// set of held leases under the prefix).
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, now_ms (holder's
 /// wall clock), who (`pid\nhost\nclient`), fair waiter ttl_ms (0: not fair), the client's own
 /// wake-up channel (where a release tells this waiter it was handed the lock), the waiter's
 /// place in the queue (0: after every waiter so far, numbered by `qseq`; Redlock passes the
 /// acquisition's start in µs, so that every node orders the waiters alike).
 ///
-/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, meta}` when held. The
+/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, meta}` when held,
+/// `{2, 0, node_id, max_ttl_ms}` when the TTL is above the stored cap and `{3, retry_ms,
+/// node_id, max_held}` when the client holds its quota (`retry_ms`: until its first lease
+/// expires). The limits are one `GET` of the `limits` key, and nothing more when it is absent;
+/// with a quota, every grant is counted in the client's `held` set (owner -> expiry). The
 /// metadata keeps the lease TTL for the stuck-lock runbook, which reads the time since the last
 /// renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried attempt
 /// whose answer was lost) refreshes it and returns the token it was granted.
@@ -96,6 +129,18 @@ local node = redis.call('GET', KEYS[4])
 if not node then
   node = ARGV[4]
   redis.call('SET', KEYS[4], node)
+end
+local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[10]))
+if max_ttl > 0 and tonumber(ARGV[2]) > max_ttl then
+  return {2, 0, node, max_ttl}
+end
+local quota_now
+if max_held > 0 then
+  quota_now = now_ms()
+  if not within_quota(KEYS[11], ARGV[1], max_held, quota_now) then
+    local first = redis.call('ZRANGE', KEYS[11], 0, 0, 'WITHSCORES')
+    return {3, math.max(1, tonumber(first[2]) - quota_now), node, max_held}
+  end
 end
 -- Refused: the flag lasts as the lock, or as the queue entry of a fair waiter (`fair_px`).
 local function held(cur, fair_px)
@@ -126,7 +171,7 @@ if fair > 0 then
       end
       redis.call('ZADD', KEYS[7], now + fair, ARGV[1])
       -- What a release needs to hand the lock straight to this waiter.
-      redis.call('HSET', KEYS[9], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8]))
+      redis.call('HSET', KEYS[9], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[11]))
       for i = 6, 9 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
       return held(cur, 2 * fair)
     end
@@ -147,6 +192,9 @@ else
     return held(cur)
   end
 end
+if quota_now then
+  count_held(KEYS[11], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
+end
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('PEXPIRE', KEYS[3], ARGV[2])
@@ -163,19 +211,31 @@ return {1, s, node}
 
 /// Owner-checked extension of many leases in one call.
 ///
-/// KEYS: lock1, meta1, lock2, meta2, ... ARGV: owner1, ttl1, owner2, ttl2, ...
-/// Reply: one integer per lease, 1 when extended. The time of the last renewal is not stored:
-/// the runbook reads it from the TTL and what is left of it.
+/// KEYS: limits, held (the client's set of held leases), lock1, meta1, lock2, meta2, ...
+/// ARGV: owner1, ttl1, owner2, ttl2, ...
+/// Reply: one integer per lease, 1 when extended, 0 when not the holder, and minus the cap
+/// (ms) when its TTL is above the stored `max-ttl`: such a renewal is refused, not cut to the
+/// cap, so the expiry never falls short of the validity the client counts. With a quota, each
+/// renewal moves its entry in the `held` set (and adds one for a lease granted before the
+/// quota was set). The time of the last renewal is not stored: the runbook reads it from the
+/// TTL and what is left of it.
 pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_shared(
         r#"
+local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[1]))
+local now = max_held > 0 and now_ms()
 local out = {}
-for i = 1, #KEYS / 2 do
-  local lock, meta = KEYS[2 * i - 1], KEYS[2 * i]
-  if redis.call('GET', lock) == ARGV[2 * i - 1] then
-    local ttl = ARGV[2 * i]
+for i = 1, (#KEYS - 2) / 2 do
+  local lock, meta = KEYS[2 * i + 1], KEYS[2 * i + 2]
+  local owner, ttl = ARGV[2 * i - 1], ARGV[2 * i]
+  if max_ttl > 0 and tonumber(ttl) > max_ttl then
+    out[i] = -max_ttl
+  elseif redis.call('GET', lock) == owner then
     redis.call('PEXPIRE', lock, ttl)
     redis.call('PEXPIRE', meta, ttl)
+    if now then
+      count_held(KEYS[2], owner, now + tonumber(ttl), ttl)
+    end
     out[i] = 1
   else
     out[i] = 0
@@ -189,7 +249,8 @@ return out
 /// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
 /// announces the change to waiters.
 ///
-/// KEYS: lock, meta, wait, queue, qexp, qinfo, fence. ARGV: owner, wake channel, handoff (1:
+/// KEYS: lock, meta, wait, queue, qexp, qinfo, fence, held (this client's set of held
+/// leases), limits. ARGV: owner, wake channel, handoff (1:
 /// hand the lock to the head of the FIFO queue), keep waiting (1: a Redlock attempt rolled back
 /// on a split vote, whose owner keeps its place in the queue). Reply: 1 when the lock was this
 /// owner's and is now deleted (or handed on).
@@ -208,7 +269,8 @@ return out
 /// the waiter holds the lock without another round trip, and no other client is woken. The
 /// grant's expiry is the waiter's TTL, cut to what is left of its queue entry, so a waiter that
 /// died while queued blocks the lock no longer than its entry would have; the waiter's client
-/// renews the lease to its full TTL at once.
+/// renews the lease to its full TTL at once. The limits are checked for the waiter as its own
+/// attempt would: over them, it is woken instead and its retry hears the refusal.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
@@ -222,6 +284,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 local waiting = redis.call('DEL', KEYS[3]) == 1
 redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[8], ARGV[1])
 if not waiting then
   return 1
 end
@@ -231,8 +294,18 @@ if ARGV[3] == '1' then
   prune_waiters(KEYS[4], KEYS[5], KEYS[6], now)
   local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   local info = head and redis.call('HGET', KEYS[6], head)
+  local ttl, who, channel, held
   if info then
-    local ttl, who, channel = cmsgpack.unpack(info)
+    ttl, who, channel, held = cmsgpack.unpack(info)
+    local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[9]))
+    if (max_ttl > 0 and tonumber(ttl) > max_ttl)
+        or (max_held > 0 and not (held and within_quota(held, head, max_held, now))) then
+      info = nil
+    elseif max_held > 0 then
+      count_held(held, head, now + tonumber(ttl), ttl)
+    end
+  end
+  if info then
     local left = tonumber(redis.call('ZSCORE', KEYS[5], head)) - now
     local px = math.min(tonumber(ttl), left)
     local s = advance(KEYS[7], tonumber(t[1]) * 1000000 + tonumber(t[2]))

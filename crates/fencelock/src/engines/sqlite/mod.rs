@@ -30,6 +30,7 @@ use crate::core::engine::{
 };
 use crate::core::error::{Error, Result};
 use crate::core::holder::{duration_from_millis, from_unix_millis, millis_of, unix_millis, Holder};
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::sql::{
     audit_insert_sql, audit_record, audit_select_sql, audit_values, SqlRow, SqlValue,
@@ -79,7 +80,19 @@ CREATE TABLE IF NOT EXISTS fencelock_audit (
     counter         INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS fencelock_audit_by_key ON fencelock_audit (key, id);
+CREATE TABLE IF NOT EXISTS fencelock_limits (
+    prefix      TEXT PRIMARY KEY,
+    max_ttl_ms  INTEGER NOT NULL,
+    max_held    INTEGER NOT NULL
+) WITHOUT ROWID;
 ";
+
+/// Columns added after the first release, to files that were created without them: who holds
+/// each lease for the `max-held-per-client` limit.
+const MIGRATIONS: &[(&str, &str)] = &[(
+    "holder_id",
+    "ALTER TABLE fencelock_locks ADD COLUMN holder_id TEXT",
+)];
 
 /// The columns [`LockRow::from_row`] reads, in its order.
 const LOCK_COLUMNS: &str =
@@ -89,6 +102,7 @@ pub(crate) struct SqliteEngine {
     jobs: std::sync::mpsc::Sender<Job>,
     path: Arc<PathBuf>,
     prefix: String,
+    holder_id: String,
 }
 
 type Job = Box<dyn FnOnce(&mut Connection, &str) + Send>;
@@ -260,6 +274,7 @@ impl SqliteEngine {
             jobs,
             path: Arc::new(path),
             prefix: cfg.prefix.clone(),
+            holder_id: cfg.holder_id.clone(),
         })
     }
 
@@ -371,7 +386,51 @@ fn try_open(path: &Path, op_timeout: Duration) -> rusqlite::Result<Connection> {
     }
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.execute_batch(SCHEMA)?;
+    migrate(&conn)?;
     Ok(conn)
+}
+
+/// Adds the [`MIGRATIONS`] columns a file lacks, in one immediate transaction, so that two
+/// processes opening an old file at once do not both add them.
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    let has = |conn: &Connection, column: &str| -> rusqlite::Result<bool> {
+        conn.query_row(
+            "SELECT count(*) FROM pragma_table_info('fencelock_locks') WHERE name = ?1",
+            [column],
+            |r| r.get::<_, i64>(0),
+        )
+        .map(|n| n > 0)
+    };
+    if MIGRATIONS.iter().try_fold(true, |all, (c, _)| {
+        Ok::<_, rusqlite::Error>(all && has(conn, c)?)
+    })? {
+        return Ok(());
+    }
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let added = MIGRATIONS.iter().try_for_each(|(column, sql)| {
+        if has(conn, column)? {
+            Ok(())
+        } else {
+            conn.execute_batch(sql)
+        }
+    });
+    match added {
+        Ok(()) => conn.execute_batch("COMMIT"),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
+}
+
+/// The limits of `prefix` as stored in `fencelock_limits` (none: empty limits).
+fn read_limits(conn: &Connection, prefix: &str) -> rusqlite::Result<Limits> {
+    let mut stmt =
+        conn.prepare_cached("SELECT max_ttl_ms, max_held FROM fencelock_limits WHERE prefix = ?1")?;
+    Ok(stmt
+        .query_row([prefix], |r| Ok(Limits::from_stored(r.get(0)?, r.get(1)?)))
+        .optional()?
+        .unwrap_or_default())
 }
 
 #[async_trait]
@@ -387,8 +446,15 @@ impl Engine for SqliteEngine {
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
         let key = self.key(&req.name);
         let req = req.clone();
-        self.with_conn(move |conn, boot| {
+        let (prefix, holder_id) = (self.prefix.clone(), self.holder_id.clone());
+        let answer = self.with_conn(move |conn, boot| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            // The limits are read in the grant's transaction: a client cannot slip past them
+            // between the check and the grant.
+            let limits = read_limits(&tx, &prefix)?;
+            if let Some(refused) = limits.check_ttl(req.ttl) {
+                return Ok(Err(refused));
+            }
             // Read the clock only once the write lock is ours, so "now" is never earlier than
             // the commit of the previous holder.
             let now = boot_millis();
@@ -403,29 +469,44 @@ impl Engine for SqliteEngine {
                             params![key, expires, wall],
                         )?;
                         tx.commit()?;
-                        return Ok(Attempt::Granted(FencingToken::from_stored(row.token)));
+                        return Ok(Ok(Attempt::Granted(FencingToken::from_stored(row.token))));
                     }
                     Some(_) => {
                         let holder = row.holder(now);
-                        return Ok(Attempt::Held {
+                        return Ok(Ok(Attempt::Held {
                             retry_in: holder.ttl_left,
                             holder: Some(holder),
                             wake: None,
-                        });
+                        }));
                     }
                     None => {}
+                }
+            }
+            if let Some(max) = limits.max_held_per_client() {
+                let (held, first): (i64, Option<i64>) = tx.query_row(
+                    "SELECT count(*), min(expires_at) FROM fencelock_locks
+                     WHERE holder_id = ?1 AND substr(key, 1, length(?2)) = ?2 AND key <> ?3
+                       AND owner IS NOT NULL AND boot_id = ?4 AND expires_at > ?5",
+                    params![holder_id, prefix, key, boot, now],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )?;
+                if held >= i64::from(max) {
+                    return Ok(Ok(Attempt::OverQuota {
+                        max,
+                        retry_in: first.map(|e| duration_from_millis(e.saturating_sub(now))),
+                    }));
                 }
             }
             let token = row.map_or(0, |r| r.token).saturating_add(1);
             tx.execute(
                 "INSERT INTO fencelock_locks
-                   (key, token, owner, boot_id, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10)
+                   (key, token, owner, boot_id, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at, holder_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?10, ?11)
                  ON CONFLICT(key) DO UPDATE SET
                    token = excluded.token, owner = excluded.owner, boot_id = excluded.boot_id,
                    expires_at = excluded.expires_at, ttl_ms = excluded.ttl_ms, host = excluded.host,
                    pid = excluded.pid, client = excluded.client, acquired_at = excluded.acquired_at,
-                   renewed_at = excluded.renewed_at",
+                   renewed_at = excluded.renewed_at, holder_id = excluded.holder_id",
                 params![
                     key,
                     token,
@@ -436,13 +517,15 @@ impl Engine for SqliteEngine {
                     req.meta.host,
                     req.meta.pid,
                     req.meta.client,
-                    wall
+                    wall,
+                    holder_id
                 ],
             )?;
             tx.commit()?;
-            Ok(Attempt::Granted(FencingToken::from_stored(token)))
+            Ok(Ok(Attempt::Granted(FencingToken::from_stored(token))))
         })
-        .await
+        .await?;
+        answer.map_err(|e| e.with_resource(&req.name).with_engine(ENGINE))
     }
 
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
@@ -450,8 +533,10 @@ impl Engine for SqliteEngine {
             .iter()
             .map(|r| (self.key(&r.name), r.clone()))
             .collect();
+        let prefix = self.prefix.clone();
         self.with_conn(move |conn, boot| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let cap = read_limits(&tx, &prefix)?.max_ttl();
             let now = boot_millis();
             let wall = unix_millis(SystemTime::now());
             let mut out = Vec::with_capacity(batch.len());
@@ -461,6 +546,10 @@ impl Engine for SqliteEngine {
                      WHERE key = ?1 AND owner = ?2 AND boot_id = ?3 AND expires_at > ?7",
                 )?;
                 for (key, r) in &batch {
+                    if let Some(max) = cap.filter(|max| r.ttl > *max) {
+                        out.push(Renewed::OverLimit(max));
+                        continue;
+                    }
                     let ttl = millis_of(r.ttl);
                     let n = stmt.execute(params![
                         key,
@@ -586,6 +675,36 @@ impl Engine for SqliteEngine {
             )?;
             tx.commit()?;
             Ok(Some(record))
+        })
+        .await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        let prefix = self.prefix.clone();
+        let limits = self
+            .with_conn(move |conn, _| read_limits(conn, &prefix))
+            .await?;
+        Ok(vec![StoredLimits {
+            node: self.path.display().to_string(),
+            limits: Ok((!limits.is_empty()).then_some(limits)),
+        }])
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        let prefix = self.prefix.clone();
+        let limits = *limits;
+        self.with_conn(move |conn, _| {
+            if limits.is_empty() {
+                conn.execute("DELETE FROM fencelock_limits WHERE prefix = ?1", [&prefix])?;
+            } else {
+                conn.execute(
+                    "INSERT INTO fencelock_limits (prefix, max_ttl_ms, max_held) VALUES (?1, ?2, ?3)
+                     ON CONFLICT(prefix) DO UPDATE SET
+                       max_ttl_ms = excluded.max_ttl_ms, max_held = excluded.max_held",
+                    params![prefix, limits.max_ttl_ms(), limits.max_held_value()],
+                )?;
+            }
+            Ok(())
         })
         .await
     }

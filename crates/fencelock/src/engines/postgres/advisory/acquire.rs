@@ -11,24 +11,38 @@ use super::AdvisoryEngine;
 use crate::core::engine::{AcquireRequest, Attempt};
 use crate::core::error::{Error, Result};
 use crate::core::holder::{from_unix_millis, millis_of, unix_millis, Holder};
+use crate::core::limits::{ttl_refused, Limits};
 use crate::core::token::FencingToken;
 use crate::engines::postgres::{advisory_key, bounded};
 
-/// Tries the lock and, only when granted, advances the durable counter: one round trip. The
-/// lock CTE is materialised, so the lock function runs exactly once.
+/// Checks the prefix's limits, tries the lock and, only when granted, advances the durable
+/// counter: one round trip. Each step is a materialised CTE that reads the one before it, so
+/// the lock function runs exactly once, and only when the limits let it: a TTL above
+/// `max-ttl` (`refused` = -1) or a client holding `max-held-per-client` locks under the prefix
+/// (`refused` > 0, counted by `fencelock_advisory_quota`) never reaches the lock.
 pub(super) const GRANT: &str = "
-WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok),
+WITH q AS MATERIALIZED (
+    SELECT CASE WHEN lim.max_ttl_ms > 0 AND $8 > lim.max_ttl_ms THEN -1
+                WHEN lim.max_held > 0 THEN fencelock_advisory_quota($9, $10, $2, lim.max_held)
+                ELSE 0 END AS refused,
+           lim.max_ttl_ms, lim.max_held
+    FROM (SELECT 1) AS one LEFT JOIN fencelock_limits lim ON lim.prefix = $9
+),
+l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok FROM q WHERE q.refused = 0),
 t AS (
     INSERT INTO fencelock_tokens AS t
-        (key, lock_key, counter, owner, backend_pid, host, pid, client, acquired_at, ttl_ms)
-    SELECT $2, $1, 1, $3, pg_backend_pid(), $4, $5, $6, $7, $8 FROM l WHERE l.ok
+        (key, lock_key, counter, owner, backend_pid, host, pid, client, acquired_at, ttl_ms,
+         holder_id)
+    SELECT $2, $1, 1, $3, pg_backend_pid(), $4, $5, $6, $7, $8, $10 FROM l WHERE l.ok
     ON CONFLICT (key) DO UPDATE SET
         counter = t.counter + 1, owner = EXCLUDED.owner, backend_pid = EXCLUDED.backend_pid,
         host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client,
-        acquired_at = EXCLUDED.acquired_at, ttl_ms = EXCLUDED.ttl_ms
+        acquired_at = EXCLUDED.acquired_at, ttl_ms = EXCLUDED.ttl_ms,
+        holder_id = EXCLUDED.holder_id
     RETURNING counter
 )
-SELECT l.ok, (SELECT counter FROM t) FROM l";
+SELECT (SELECT ok FROM l), (SELECT counter FROM t), q.refused, q.max_ttl_ms, q.max_held
+FROM q";
 
 impl AdvisoryEngine {
     /// One attempt, queued on the session of the key's slot behind its earlier statements.
@@ -109,15 +123,33 @@ pub(super) async fn grant(
                 &meta.client,
                 &acquired_at,
                 &millis_of(req.ttl),
+                &s.prefix,
+                &s.holder_id,
             ],
         ),
     )
     .await?;
-    let ok: bool = answer
-        .try_get(0)
-        .map_err(|e| Error::engine_failure(kind, "unexpected grant answer").with_source(e))?;
+    let unexpected = |e| Error::engine_failure(kind, "unexpected grant answer").with_source(e);
+    let ok: Option<bool> = answer.try_get(0).map_err(unexpected)?;
+    let refused: i64 = answer.try_get(2).map_err(unexpected)?;
     let mut held = lock(&s.held);
-    if !ok {
+    if refused != 0 {
+        held.remove(&key);
+        let max_ttl: Option<i64> = answer.try_get(3).map_err(unexpected)?;
+        let max_held: Option<i64> = answer.try_get(4).map_err(unexpected)?;
+        let limits = Limits::from_stored(max_ttl.unwrap_or(0), max_held.unwrap_or(0));
+        return match (refused < 0, limits.max_ttl(), limits.max_held_per_client()) {
+            (true, Some(max), _) => Err(ttl_refused(max, req.ttl)
+                .with_resource(&req.name)
+                .with_engine(kind)),
+            (_, _, Some(max)) => Ok(Attempt::OverQuota {
+                max,
+                retry_in: None,
+            }),
+            _ => Err(Error::engine_failure(kind, "unexpected grant answer")),
+        };
+    }
+    if ok != Some(true) {
         held.remove(&key);
         return Ok(Attempt::Held {
             holder: None,

@@ -22,6 +22,7 @@ use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, LossFeed, Renewal, Renewed};
 use crate::core::error::{Error, Result};
 use crate::core::holder::Holder;
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use session::Session;
 
@@ -90,6 +91,16 @@ impl Engine for AdvisoryEngine {
         draft: &AuditRecord,
     ) -> Result<Option<AuditRecord>> {
         self.force(name, expected_owner, draft).await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        let s = self.any_session().await?;
+        self.shared.read_limits(&s.client).await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        let s = self.any_session().await?;
+        self.shared.write_limits(&s.client, limits).await
     }
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {

@@ -14,9 +14,12 @@ use crate::core::engine::{Renewal, Renewed};
 use crate::core::error::Result;
 use crate::engines::postgres::{advisory_key, bounded};
 
-/// The advisory locks this session holds.
-pub(super) const MINE: &str = "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks
-    WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_backend_pid()";
+/// The advisory locks this session holds, and the prefix's `max-ttl` (ms) if one is set: a
+/// renewal beyond it is refused, as the grant would be.
+pub(super) const MINE: &str = "SELECT ARRAY(SELECT (classid::bigint << 32) | objid::bigint
+    FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = pg_backend_pid()),
+    (SELECT max_ttl_ms FROM fencelock_limits WHERE prefix = $1 AND max_ttl_ms > 0)";
 
 impl AdvisoryEngine {
     /// Extends the leases of `batch` whose session still holds their key: one check per
@@ -37,12 +40,12 @@ impl AdvisoryEngine {
             };
             let held = self
                 .shared
-                .bounded(s.client.query(&s.mine, &[]))
+                .bounded(s.client.query_one(&s.mine, &[&s.prefix]))
                 .await
-                .map(|rows| {
-                    rows.iter()
-                        .filter_map(|r| r.try_get::<_, i64>(0).ok())
-                        .collect::<HashSet<i64>>()
+                .map(|row| {
+                    let keys: Vec<i64> = row.try_get(0).unwrap_or_default();
+                    let cap: Option<i64> = row.try_get(1).unwrap_or(None);
+                    (keys.into_iter().collect::<HashSet<i64>>(), cap)
                 });
             (members, Some((s, held)))
         });
@@ -51,8 +54,8 @@ impl AdvisoryEngine {
             let Some((s, held_on_server)) = check else {
                 continue;
             };
-            let on_server = match held_on_server {
-                Ok(on_server) => on_server,
+            let (on_server, cap) = match held_on_server {
+                Ok(answer) => answer,
                 Err(e) => {
                     for i in members {
                         out[i] = Renewed::Failed(e.to_string());
@@ -61,7 +64,14 @@ impl AdvisoryEngine {
                 }
             };
             let mut mine = lock(&s.held);
+            let cap = cap
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map(Duration::from_millis);
             for i in members {
+                if let Some(max) = cap.filter(|max| batch[i].ttl > *max) {
+                    out[i] = Renewed::OverLimit(max);
+                    continue;
+                }
                 if let Some(Held::Granted { owner, expires, .. }) = mine.get_mut(&keys[i]) {
                     if *owner == batch[i].owner
                         && on_server.contains(&keys[i])

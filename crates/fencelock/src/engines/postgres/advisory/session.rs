@@ -42,6 +42,9 @@ pub(super) struct Session {
     pub(super) release: Statement,
     pub(super) unlock: Statement,
     pub(super) mine: Statement,
+    /// The namespace and who this client is, for the limits the grant checks.
+    pub(super) prefix: String,
+    pub(super) holder_id: String,
     pub(super) held: Arc<Mutex<HashMap<i64, Held>>>,
     pub(super) ended: CancellationToken,
     pub(super) ops: mpsc::UnboundedSender<Op>,
@@ -136,6 +139,8 @@ impl AdvisoryEngine {
             release,
             unlock,
             mine,
+            prefix: self.shared.prefix.clone(),
+            holder_id: self.shared.holder_id.clone(),
             held,
             ended,
             ops,
