@@ -137,6 +137,7 @@ pub use crate::core::lease::{Lease, LostSignal};
 pub use crate::core::name::{validate_name, MAX_NAME_BYTES};
 pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};
+pub use crate::core::routes::{config_path, Routes, SINGLE_BACKEND};
 pub use crate::core::token::FencingToken;
 pub use crate::core::url::{redact_url, HostPort};
 #[cfg(feature = "etcd")]

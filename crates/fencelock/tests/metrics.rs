@@ -116,7 +116,7 @@ async fn a_grant_and_its_release_are_timed() {
         let text = recorder().render();
         assert!(
             text.contains(&format!(
-                "{}{{engine=\"sqlite\",resource=\"m-grant\",reason=\"{reason}\"}} 0",
+                "{}{{engine=\"sqlite\",backend=\"default\",resource=\"m-grant\",reason=\"{reason}\"}} 0",
                 m::ACQUIRE_FAILURES
             )),
             "no zero series for {reason}:\n{text}"

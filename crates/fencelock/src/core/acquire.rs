@@ -85,19 +85,25 @@ impl Client {
         wait: Duration,
         campaign: Option<&str>,
     ) -> Result<Lease> {
+        // A routed client hands the acquisition to the name's backend, whose own watchdog
+        // then renews the lease.
+        let this = self.on(name)?;
         let span = tracing::debug_span!(
             "acquire",
             resource = name,
-            engine = self.engine(),
+            engine = this.engine(),
+            backend = this.backend(),
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let result = self
+        let result = this
             .acquire_loop(name, opts, wait, campaign)
             .instrument(span.clone())
-            .await;
+            .await
+            .map_err(|e| this.inner.calls.named(e));
         let outcome = crate::core::metrics::acquire_finished(
-            self.engine(),
+            this.engine(),
+            this.backend(),
             name,
             started.elapsed(),
             result.as_ref().map(Lease::ttl).map_err(Error::kind),
@@ -364,6 +370,7 @@ impl ClientInner {
             req.ttl,
             deadline,
             self.engine.kind(),
+            self.calls.backend_label().into(),
         ));
         self.watchdog
             .register(state.clone(), opts.auto_renew_value());

@@ -17,6 +17,7 @@ pub mod metrics;
 pub(crate) mod name;
 pub(crate) mod options;
 pub(crate) mod records;
+pub(crate) mod routes;
 pub(crate) mod sql;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) mod tls;
