@@ -13,12 +13,12 @@
 //! | name | type | labels | what |
 //! |---|---|---|---|
 //! | [`ACQUIRE_DURATION`] | histogram | `engine`, `backend`, `resource`, `outcome` | one `acquire`/`try_acquire` call, waiting included |
-//! | [`ACQUIRE_FAILURES`] | counter | `engine`, `resource`, `reason` | acquisitions that returned an error |
-//! | [`HOLD_DURATION`] | histogram | `engine`, `resource` | from grant to release, loss or drop |
-//! | [`LEASE_TTL`] | gauge | `engine`, `resource` | the TTL of the latest grant |
-//! | [`RENEWALS`] | counter | `engine`, `resource` | renewal attempts, one per lease |
-//! | [`RENEWAL_FAILURES`] | counter | `engine`, `resource` | renewal attempts that did not extend the lease |
-//! | [`LEASES_LOST`] | counter | `engine`, `resource`, `reason` | leases marked lost |
+//! | [`ACQUIRE_FAILURES`] | counter | `engine`, `backend`, `resource`, `reason` | acquisitions that returned an error |
+//! | [`HOLD_DURATION`] | histogram | `engine`, `backend`, `resource` | from grant to release, loss or drop |
+//! | [`LEASE_TTL`] | gauge | `engine`, `backend`, `resource` | the TTL of the latest grant |
+//! | [`RENEWALS`] | counter | `engine`, `backend`, `resource` | renewal attempts, one per lease |
+//! | [`RENEWAL_FAILURES`] | counter | `engine`, `backend`, `resource` | renewal attempts that did not extend the lease |
+//! | [`LEASES_LOST`] | counter | `engine`, `backend`, `resource`, `reason` | leases marked lost |
 //! | [`STALE_TOKEN_REJECTIONS`] | counter | `resource` | writes refused by a [fence](crate::fence) |
 //! | [`NODE_UP`] | gauge | `engine`, `node` | whether the latest call to a Redis node reached it |
 //! | [`NODE_CALL_FAILURES`] | counter | `engine`, `node` | calls to a Redis node that did not reach it |
