@@ -34,13 +34,30 @@ pub const SINGLE_BACKEND: &str = "default";
 /// assert_eq!(routes.backend_for("payments/invoice-7").unwrap(), "payments");
 /// assert_eq!(routes.backend_for("jobs/nightly").unwrap(), "jobs");
 /// ```
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Routes {
     backends: BTreeMap<String, String>,
     routes: Vec<(String, String)>,
     default: Option<String>,
     /// Where the table came from (a file path), for error messages.
     origin: Option<String>,
+}
+
+/// URLs shown with their passwords as `***`: a table is logged and printed in errors.
+impl std::fmt::Debug for Routes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let backends: BTreeMap<&str, String> = self
+            .backends
+            .iter()
+            .map(|(n, u)| (n.as_str(), redact_url(u)))
+            .collect();
+        f.debug_struct("Routes")
+            .field("backends", &backends)
+            .field("routes", &self.routes)
+            .field("default", &self.default)
+            .field("origin", &self.origin)
+            .finish()
+    }
 }
 
 /// The file format, as serde reads it: unknown sections and fields are errors, so that a
@@ -370,5 +387,7 @@ backend = "jobs"
             .check(&|_| Err(Error::invalid("bad")))
             .unwrap_err();
         assert!(!e.to_string().contains("hunter2"), "{e}");
+        let r = Routes::new().backend("a", "redis://:hunter2@h:1");
+        assert!(!format!("{r:?}").contains("hunter2"), "{r:?}");
     }
 }
