@@ -350,7 +350,10 @@ async fn a_dead_redlock_node_shows_in_its_node_series_and_not_in_acquire_failure
         .await
         .unwrap();
     let opts = LockOptions::default().ttl(Duration::from_secs(5));
-    c.try_acquire("m-node", &opts)
+    // Warm-up under another name: connections opened and scripts loaded on every node. (A
+    // Redlock release returns once a quorum released, so a node may keep this name's key
+    // until its TTL; another name keeps that out of the count below.)
+    c.try_acquire("m-node-warm", &opts)
         .await
         .unwrap()
         .release()
@@ -373,7 +376,7 @@ async fn a_dead_redlock_node_shows_in_its_node_series_and_not_in_acquire_failure
             0
         );
     }
-    assert_eq!(count(ACQUIRES, &[r[0], r[1], ("outcome", "acquired")]), 6);
+    assert_eq!(count(ACQUIRES, &[r[0], r[1], ("outcome", "acquired")]), 5);
     fn node(addr: &str) -> [(&str, &str); 2] {
         [("engine", "redlock"), ("node", addr)]
     }

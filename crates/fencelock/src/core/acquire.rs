@@ -225,7 +225,11 @@ impl Client {
             };
             let now = Instant::now();
             if now >= deadline {
-                if pending.armed {
+                // After a refusal the release is one quick call. After an engine failure the
+                // engine may not answer it either: `pending` releases in the background when
+                // dropped, so the caller hears of the failure within its wait plus the one
+                // attempt under way, not one more operation timeout later.
+                if pending.armed && last.is_ok() {
                     pending.release_now().await;
                 }
                 return Err(match last {
@@ -369,8 +373,7 @@ impl ClientInner {
             token,
             req.ttl,
             deadline,
-            self.engine.kind(),
-            self.calls.backend_label().into(),
+            &self.calls,
         ));
         self.watchdog
             .register(state.clone(), opts.auto_renew_value());

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::core::call::Calls;
 use crate::core::client::ClientInner;
 use crate::core::error::{Error, ErrorKind, Result};
 use crate::core::metrics::{self, Loss};
@@ -41,8 +42,7 @@ impl LeaseState {
         token: FencingToken,
         ttl: Duration,
         deadline: Instant,
-        engine: &'static str,
-        backend: Arc<str>,
+        calls: &Calls,
     ) -> LeaseState {
         LeaseState {
             id,
@@ -51,8 +51,8 @@ impl LeaseState {
             owner,
             token,
             ttl,
-            engine,
-            backend,
+            engine: calls.engine,
+            backend: calls.backend_label().into(),
             deadline: Mutex::new(deadline),
             lost: CancellationToken::new(),
             lost_reason: OnceLock::new(),

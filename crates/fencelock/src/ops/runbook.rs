@@ -498,7 +498,7 @@ impl Client {
             records.extend(client.audit_here(None).await?);
         }
         // Each backend's log is newest first; so is the merge.
-        records.sort_by(|a, b| b.at.cmp(&a.at));
+        records.sort_by_key(|r| std::cmp::Reverse(r.at));
         Ok(records)
     }
 
