@@ -9,6 +9,7 @@ use fencelock::{Client, ErrorKind};
 
 mod acl;
 mod chaos;
+pub mod config;
 mod demo;
 mod doctor;
 #[cfg(feature = "redis")]
@@ -59,9 +60,15 @@ struct Cli {
 pub struct BackendArg {
     /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3,
     /// postgres://user@host:port/db[?mode=lease], etcd://h1:p1,h2:p2,h3:p3.
-    /// Default: $FENCELOCK_URL, else the SQLite file in the user's state directory.
-    #[arg(long, env = "FENCELOCK_URL", global = true)]
+    /// Default: $FENCELOCK_URL, else a routing configuration (--config), else the SQLite
+    /// file in the user's state directory.
+    #[arg(long, global = true, conflicts_with = "config")]
     backend: Option<String>,
+    /// Routing configuration (TOML: backends, prefix routes, a default; see docs/routing.md).
+    /// Default: $FENCELOCK_CONFIG, else $XDG_CONFIG_HOME/fencelock/config.toml if it exists.
+    /// --backend wins over it, and it over $FENCELOCK_URL.
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<std::path::PathBuf>,
     /// Namespace every engine key starts with.
     #[arg(long, env = "FENCELOCK_PREFIX", global = true, default_value = fencelock::DEFAULT_PREFIX)]
     prefix: String,
@@ -209,12 +216,11 @@ pub fn fail(e: fencelock::Error) -> anyhow::Error {
     Exit(exit_code(&e)).into()
 }
 
+/// The client of a command: on the backend URL or routing configuration `backend` selects
+/// (see `config`), opened with the command's client name.
 pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> {
-    let url = match &backend.backend {
-        Some(u) => u.clone(),
-        None => fencelock::default_url().map_err(fail)?,
-    };
-    Client::builder(url)
+    let target = config::target(backend).map_err(fail)?;
+    config::builder(target)
         .prefix(&backend.prefix)
         .client_name(client_name)
         .connect()
@@ -224,11 +230,17 @@ pub async fn connect(backend: &BackendArg, client_name: &str) -> Result<Client> 
 
 /// Prints the keys from the URL alone: `key` must answer while the engine is down, which is
 /// when an operator needs the keys most.
+/// With a routing configuration, the first line names the backend the name routes to.
 async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
     fencelock::validate_name(name).map_err(fail)?;
-    let url = match &backend.backend {
-        Some(u) => u.clone(),
-        None => fencelock::default_url().map_err(fail)?,
+    let url = match config::target(backend).map_err(fail)? {
+        config::Target::Url(url) => url,
+        config::Target::Routes(routes) => {
+            let chosen = routes.backend_for(name).map_err(fail)?;
+            let url = routes.url_of(chosen).unwrap_or_default().to_owned();
+            println!("backend\t{chosen}\t{}", fencelock::redact_url(&url));
+            url
+        }
     };
     let parsed = fencelock::Backend::parse(&url).map_err(fail)?;
     for (label, key) in parsed.keys(&backend.prefix, name).map_err(fail)? {

@@ -77,14 +77,16 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
     fencelock::validate_name(&args.name).map_err(fail)?;
     let client = connect(&args.backend, "fencelock-inspect").await?;
     let holder = client.inspect(&args.name).await.map_err(fail)?;
-    let engine = client.engine();
+    let on = client.backend_for(&args.name).map_err(fail)?;
+    let (engine, backend) = (on.engine(), on.backend());
     match (holder, args.json) {
-        (Some(h), true) => println!("{}", held_json(&args.name, engine, &h)),
+        (Some(h), true) => println!("{}", held_json(&args.name, engine, backend, &h)),
         (None, true) => println!(
             "{}",
             object(&[
                 ("resource", Json::Str(&args.name)),
                 ("engine", Json::Str(engine)),
+                ("backend", Json::Str(backend)),
                 ("held", Json::Bool(false)),
             ])
         ),
@@ -100,7 +102,11 @@ pub async fn list(args: ListArgs) -> Result<u8> {
     if args.json {
         let items: Vec<String> = locks
             .iter()
-            .map(|l| held_json(&l.resource, client.engine(), &l.holder))
+            .map(|l| {
+                let on = client.backends().into_iter().find(|(n, _)| *n == l.backend);
+                let engine = on.map_or(client.engine(), |(_, c)| c.engine());
+                held_json(&l.resource, engine, &l.backend, &l.holder)
+            })
             .collect();
         println!("[{}]", items.join(","));
     } else if locks.is_empty() && args.name_prefix.is_empty() {
@@ -259,15 +265,16 @@ fn held_text(name: &str, h: &Holder) -> String {
 
 fn table(locks: &[HeldLock]) -> String {
     let header = [
-        "RESOURCE", "TOKEN", "HOST", "PID", "CLIENT", "TTL LEFT", "RENEWED", "VERDICT",
+        "RESOURCE", "BACKEND", "TOKEN", "HOST", "PID", "CLIENT", "TTL LEFT", "RENEWED", "VERDICT",
     ];
-    let rows: Vec<[String; 8]> = locks
+    let rows: Vec<[String; 9]> = locks
         .iter()
         .map(|l| {
             let h = &l.holder;
             let a = h.assess();
             [
                 shown(&l.resource),
+                shown(&l.backend),
                 optional(h.token),
                 optional(h.host.as_deref()),
                 optional(h.pid),
@@ -379,11 +386,12 @@ fn holder_fields(h: &Holder) -> Vec<(&'static str, Json<'_>)> {
     ]
 }
 
-fn held_json(name: &str, engine: &str, h: &Holder) -> String {
+fn held_json(name: &str, engine: &str, backend: &str, h: &Holder) -> String {
     let a = h.assess();
     let mut fields = vec![
         ("resource", Json::Str(name)),
         ("engine", Json::Str(engine)),
+        ("backend", Json::Str(backend)),
         ("held", Json::Bool(true)),
     ];
     fields.extend(holder_fields(h));

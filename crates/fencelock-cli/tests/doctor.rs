@@ -216,6 +216,7 @@ fn postgres_is_connected_to_and_each_missing_privilege_is_named() {
     assert_eq!(made.status.code(), Some(0), "{made:?}");
     psql("GRANT SELECT, INSERT, UPDATE ON fencelock_tokens TO app");
     psql("GRANT SELECT ON fencelock_audit TO app");
+    psql("GRANT SELECT ON fencelock_limits TO app");
     let (out, text) = doctor(&["--backend", &app]);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert_eq!(

@@ -47,16 +47,16 @@ fn metrics_addr_serves_prometheus_text_while_the_command_runs() {
     assert!(
         text.contains(
             "fencelock_acquire_duration_seconds_count\
-             {engine=\"sqlite\",resource=\"scraped\",outcome=\"acquired\"} 1"
+             {engine=\"sqlite\",backend=\"default\",resource=\"scraped\",outcome=\"acquired\"} 1"
         ),
         "{text}"
     );
     assert!(
-        text.contains("fencelock_acquire_duration_seconds_bucket{engine=\"sqlite\",resource=\"scraped\",outcome=\"acquired\",le=\"+Inf\"} 1"),
+        text.contains("fencelock_acquire_duration_seconds_bucket{engine=\"sqlite\",backend=\"default\",resource=\"scraped\",outcome=\"acquired\",le=\"+Inf\"} 1"),
         "histograms are served with buckets: {text}"
     );
     assert!(
-        text.contains("fencelock_lease_ttl_seconds{engine=\"sqlite\",resource=\"scraped\"} 1.5"),
+        text.contains("fencelock_lease_ttl_seconds{engine=\"sqlite\",backend=\"default\",resource=\"scraped\"} 1.5"),
         "{text}"
     );
     // Renewals every 500 ms show up while the command runs.
@@ -64,13 +64,13 @@ fn metrics_addr_serves_prometheus_text_while_the_command_runs() {
     let renewed = poll_until(FINISH, || {
         last = scrape(addr);
         last.lines().any(|l| {
-            l.starts_with("fencelock_renewals_total{engine=\"sqlite\",resource=\"scraped\"} ")
+            l.starts_with("fencelock_renewals_total{engine=\"sqlite\",backend=\"default\",resource=\"scraped\"} ")
                 && !l.ends_with(" 0")
         })
     });
     assert!(renewed, "no renewal counted: {last}");
     assert!(
-        last.contains("fencelock_renewal_failures_total{engine=\"sqlite\",resource=\"scraped\"} 0"),
+        last.contains("fencelock_renewal_failures_total{engine=\"sqlite\",backend=\"default\",resource=\"scraped\"} 0"),
         "{last}"
     );
 

@@ -17,8 +17,13 @@ use crate::proc::as_pid;
 use crate::wait_until;
 
 /// Variables through which a test's own environment would reach the binary: a lock database,
-/// a key prefix or a log level outside the test.
-const INHERITED: [&str; 3] = ["FENCELOCK_URL", "FENCELOCK_PREFIX", "FENCELOCK_LOG"];
+/// a routing configuration, a key prefix or a log level outside the test.
+const INHERITED: [&str; 4] = [
+    "FENCELOCK_URL",
+    "FENCELOCK_CONFIG",
+    "FENCELOCK_PREFIX",
+    "FENCELOCK_LOG",
+];
 
 /// How long a process gets between SIGTERM and SIGKILL when its guard is dropped.
 const TERM_GRACE: Duration = Duration::from_secs(2);
@@ -26,7 +31,7 @@ const TERM_GRACE: Duration = Duration::from_secs(2);
 /// A command line for a binary under test, built like [`std::process::Command`].
 ///
 /// [`BinCommand::new`] starts from no arguments, stdin from `/dev/null` and none of the
-/// `FENCELOCK_URL`, `FENCELOCK_PREFIX` and `FENCELOCK_LOG` variables. Stdout and stderr go to
+/// `FENCELOCK_URL`, `FENCELOCK_CONFIG`, `FENCELOCK_PREFIX` and `FENCELOCK_LOG` variables. Stdout and stderr go to
 /// files, never pipes, so that reading them cannot block on a grandchild that inherited them:
 /// the files given to [`BinCommand::output_to`], else two files in a temporary directory that
 /// lives as long as the [`Proc`].

@@ -139,6 +139,7 @@ pub use crate::core::limits::{Limits, StoredLimits, MAX_HELD_CEILING};
 pub use crate::core::name::{validate_name, MAX_NAME_BYTES};
 pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};
+pub use crate::core::routes::{config_path, Routes, SINGLE_BACKEND};
 #[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
 pub use crate::core::tls::TlsSession;
 pub use crate::core::token::FencingToken;

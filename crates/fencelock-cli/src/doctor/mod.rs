@@ -26,7 +26,7 @@ mod postgres;
 mod redis;
 mod ttl;
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct DoctorArgs {
     #[command(flatten)]
     backend: BackendArg,
@@ -90,34 +90,23 @@ impl Findings {
     }
 }
 
+/// With a routing configuration, every backend is checked in turn, each under its name.
 pub async fn doctor(args: DoctorArgs) -> Result<u8> {
-    let url = match &args.backend.backend {
-        Some(u) => u.clone(),
-        None => fencelock::default_url().map_err(fail)?,
-    };
-    let backend = fencelock::Backend::parse(&url).map_err(fail)?;
-    println!(
-        "fencelock doctor: {} at {}",
-        backend.engine(),
-        fencelock::redact_url(&url)
-    );
     let mut f = Findings {
         problems: 0,
         unreachable: 0,
     };
-    match &backend {
-        #[cfg(feature = "sqlite")]
-        fencelock::Backend::Sqlite(u) => sqlite(&args, &u.path, &mut f).await?,
-        #[cfg(feature = "etcd")]
-        fencelock::Backend::Etcd(u) => etcd::etcd(&args, u, &mut f).await,
-        #[cfg(feature = "redis")]
-        fencelock::Backend::Redis(u) => {
-            redis::redis_nodes(u, &mut f).await;
-            f.problems += crate::doctor_acl::redis(u, &args.backend.prefix).await;
+    match crate::config::target(&args.backend).map_err(fail)? {
+        crate::config::Target::Url(url) => check_backend(&args, url, None, &mut f).await?,
+        crate::config::Target::Routes(routes) => {
+            for (name, url) in routes.backends() {
+                // Each backend is checked as if named by --backend.
+                let mut one = args.clone();
+                one.backend.backend = Some(url.to_owned());
+                one.backend.config = None;
+                check_backend(&one, url.to_owned(), Some(name), &mut f).await?;
+            }
         }
-        #[cfg(feature = "postgres")]
-        fencelock::Backend::Postgres(u) => postgres::postgres(u, &mut f).await?,
-        _ => {}
     }
     ttl::ttl_advice(&args, &mut f).await;
     println!(
@@ -134,6 +123,36 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
     } else {
         0
     })
+}
+
+async fn check_backend(
+    args: &DoctorArgs,
+    url: String,
+    name: Option<&str>,
+    f: &mut Findings,
+) -> Result<()> {
+    let backend = fencelock::Backend::parse(&url).map_err(fail)?;
+    println!(
+        "fencelock doctor: {}{} at {}",
+        name.map(|n| format!("backend {n}: ")).unwrap_or_default(),
+        backend.engine(),
+        fencelock::redact_url(&url)
+    );
+    match &backend {
+        #[cfg(feature = "sqlite")]
+        fencelock::Backend::Sqlite(u) => sqlite(args, &u.path, f).await?,
+        #[cfg(feature = "etcd")]
+        fencelock::Backend::Etcd(u) => etcd::etcd(args, u, f).await,
+        #[cfg(feature = "redis")]
+        fencelock::Backend::Redis(u) => {
+            redis::redis_nodes(u, f).await;
+            f.problems += crate::doctor_acl::redis(u, &args.backend.prefix).await;
+        }
+        #[cfg(feature = "postgres")]
+        fencelock::Backend::Postgres(u) => postgres::postgres(u, f).await?,
+        _ => {}
+    }
+    Ok(())
 }
 
 async fn sqlite(args: &DoctorArgs, path: &std::path::Path, f: &mut Findings) -> Result<()> {

@@ -72,11 +72,12 @@ impl Sandbox {
     }
 
     /// `fencelock` with no arguments, run in the sandbox, with an environment that cannot
-    /// reach any lock database outside it.
+    /// reach any lock database or routing configuration outside it.
     pub fn bare(&self) -> BinCommand {
         let mut cmd = fencelock(&[]);
         cmd.current_dir(self.dir.path())
-            .env("XDG_STATE_HOME", self.path("state"));
+            .env("XDG_STATE_HOME", self.path("state"))
+            .env("XDG_CONFIG_HOME", self.path("config"));
         cmd
     }
 

@@ -88,19 +88,25 @@ impl Client {
         wait: Duration,
         campaign: Option<&str>,
     ) -> Result<Lease> {
+        // A routed client hands the acquisition to the name's backend, whose own watchdog
+        // then renews the lease.
+        let this = self.on(name)?;
         let span = tracing::debug_span!(
             "acquire",
             resource = name,
-            engine = self.engine(),
+            engine = this.engine(),
+            backend = this.backend(),
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let result = self
+        let result = this
             .acquire_loop(name, opts, wait, campaign)
             .instrument(span.clone())
-            .await;
+            .await
+            .map_err(|e| this.inner.calls.named(e));
         let outcome = crate::core::metrics::acquire_finished(
-            self.engine(),
+            this.engine(),
+            this.backend(),
             name,
             started.elapsed(),
             result.as_ref().map(Lease::ttl).map_err(Error::kind),
@@ -231,7 +237,11 @@ impl Client {
             };
             let now = Instant::now();
             if now >= deadline {
-                if pending.armed {
+                // After a refusal the release is one quick call. After an engine failure the
+                // engine may not answer it either: `pending` releases in the background when
+                // dropped, so the caller hears of the failure within its wait plus the one
+                // attempt under way, not one more operation timeout later.
+                if pending.armed && last.is_ok() {
                     pending.release_now().await;
                 }
                 return Err(match last {
@@ -388,7 +398,7 @@ impl ClientInner {
             token,
             req.ttl,
             deadline,
-            self.engine.kind(),
+            &self.calls,
         ));
         self.watchdog
             .register(state.clone(), opts.auto_renew_value());

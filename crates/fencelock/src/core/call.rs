@@ -3,21 +3,38 @@
 //! hangs costs its caller the deadline, never more.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::Instrument;
 
 use crate::core::error::{Error, Result};
 use crate::core::options::display_duration;
+use crate::core::routes::SINGLE_BACKEND;
 
 /// How the core calls one engine: its name and URL (password redacted) for spans and errors.
 #[derive(Debug, Clone)]
 pub(crate) struct Calls {
     pub engine: &'static str,
     pub url: String,
+    /// The backend's name in a routed client; `None` for a client opened on one URL.
+    pub backend: Option<Arc<str>>,
 }
 
 impl Calls {
+    /// The `backend` label of metrics: the backend's name, or `default`.
+    pub(crate) fn backend_label(&self) -> &str {
+        self.backend.as_deref().unwrap_or(SINGLE_BACKEND)
+    }
+
+    /// `e`, naming this backend when it is one of a routed client's.
+    pub(crate) fn named(&self, e: Error) -> Error {
+        match &self.backend {
+            Some(b) if e.backend().is_none() => e.with_backend(b),
+            _ => e,
+        }
+    }
+
     /// Runs one engine call on `resource` within `limit`; errors name the resource.
     pub(crate) async fn call<T>(
         &self,
@@ -64,15 +81,17 @@ impl Calls {
                 span.record("outcome", "timeout");
             }
         }
-        answer.unwrap_or_else(|_| {
-            Err(Error::engine_failure(
-                self.engine,
-                format!(
-                    "no answer from {} within {}; check that the engine is up and reachable",
-                    self.url,
-                    display_duration(limit)
-                ),
-            ))
-        })
+        answer
+            .unwrap_or_else(|_| {
+                Err(Error::engine_failure(
+                    self.engine,
+                    format!(
+                        "no answer from {} within {}; check that the engine is up and reachable",
+                        self.url,
+                        display_duration(limit)
+                    ),
+                ))
+            })
+            .map_err(|e| self.named(e))
     }
 }

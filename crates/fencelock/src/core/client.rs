@@ -2,6 +2,7 @@
 //! The acquire loops are in `acquire`; opening an engine from a URL is the registry's job
 //! (`crate::engines`), which hands the client an [`Opened`] engine.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,16 +20,28 @@ use crate::core::lease::LeaseState;
 use crate::core::metrics::Loss;
 use crate::core::name::{validate_name, MAX_NAME_BYTES};
 use crate::core::options::{display_duration, OP_TIMEOUT_CEILING, TTL_CEILING};
+use crate::core::routes::{Routes, SINGLE_BACKEND};
 use crate::core::url::redact_url;
 use crate::core::watchdog::Watchdog;
 
 pub use crate::core::engine::DEFAULT_PREFIX;
 
-/// A handle on one lock engine. Cheap to clone; clones share one connection set and one
-/// renewal task.
+/// A handle on one lock engine, or on several with names routed among them by prefix
+/// ([`Client::routed`]). Cheap to clone; clones share one connection set and one renewal task
+/// per backend.
 #[derive(Clone)]
 pub struct Client {
+    /// The one backend of a client opened on a URL; for a routed client, its default backend
+    /// (else its first): every call about a name goes through [`Client::on`] first.
     pub(crate) inner: Arc<ClientInner>,
+    pub(crate) router: Option<Arc<Router>>,
+}
+
+/// The backends of a routed client, each a client on one URL with its own watchdog,
+/// capabilities and metrics label, and the table that picks one per name.
+pub(crate) struct Router {
+    pub(crate) routes: Routes,
+    pub(crate) backends: BTreeMap<String, Client>,
 }
 
 pub(crate) struct ClientInner {
@@ -48,6 +61,8 @@ pub(crate) struct ClientInner {
 #[derive(Debug, Clone)]
 pub struct ClientBuilder {
     url: String,
+    routes: Option<Routes>,
+    backend: Option<String>,
     prefix: String,
     client_name: String,
     named: bool,
@@ -90,6 +105,21 @@ impl ClientBuilder {
     /// The backend URL as given.
     pub(crate) fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The routing table of a routed client.
+    pub(crate) fn routing(&self) -> Option<&Routes> {
+        self.routes.as_ref()
+    }
+
+    /// The builder of one backend of a routed client: same settings, its URL and name.
+    pub(crate) fn for_backend(&self, name: &str, url: &str) -> ClientBuilder {
+        ClientBuilder {
+            url: url.to_owned(),
+            routes: None,
+            backend: Some(name.to_owned()),
+            ..self.clone()
+        }
     }
 
     /// The settings every engine is opened with, checked.
@@ -155,6 +185,7 @@ impl ClientBuilder {
         let calls = Calls {
             engine: engine.kind(),
             url: redact_url(&self.url),
+            backend: self.backend.clone().map(Arc::from),
         };
         let cleanup = TaskTracker::new();
         let watchdog = Watchdog::start(
@@ -165,6 +196,7 @@ impl ClientBuilder {
             cleanup.clone(),
         );
         Client {
+            router: None,
             inner: Arc::new(ClientInner {
                 engine,
                 fair,
@@ -187,6 +219,8 @@ impl Client {
     pub fn builder(url: impl Into<String>) -> ClientBuilder {
         ClientBuilder {
             url: url.into(),
+            routes: None,
+            backend: None,
             prefix: DEFAULT_PREFIX.to_owned(),
             client_name: "fencelock".to_owned(),
             named: false,
@@ -195,18 +229,30 @@ impl Client {
         }
     }
 
+    /// Starts building a client that routes names among the backends of `routes` by
+    /// prefix; see [`Routes`]. The builder's settings apply to every backend, each of which
+    /// is opened once by [`ClientBuilder::connect`].
+    pub fn routed(routes: Routes) -> ClientBuilder {
+        ClientBuilder {
+            routes: Some(routes),
+            ..Client::builder("")
+        }
+    }
+
     /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`.
+    /// For a routed client, the default backend's (see [`Client::backend_for`]).
     pub fn engine(&self) -> &'static str {
         self.inner.engine.kind()
     }
 
-    /// The backend URL, password redacted.
+    /// The backend URL, password redacted. For a routed client, the default backend's.
     pub fn url(&self) -> &str {
         &self.inner.calls.url
     }
 
     /// The limits stored in the engine under this client's prefix, as each node (one entry
-    /// per Redlock node; one for every other engine) has them.
+    /// per Redlock node; one for every other engine) has them. A routed client reads its
+    /// default backend's: [`Client::backend_for`] reaches the others.
     ///
     /// # Errors
     /// [`ErrorKind::Engine`] when the engine cannot be read at all.
@@ -238,17 +284,70 @@ impl Client {
             .await
     }
 
+    /// The name of the backend this client talks to (`default` for a client opened on one
+    /// URL); for a routed client, its default backend's.
+    pub fn backend(&self) -> &str {
+        self.inner.calls.backend_label()
+    }
+
+    /// The backend `name` is routed to: a client on that backend alone (the client itself
+    /// when it is not routed).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] when no route matches and the table has no default.
+    pub fn backend_for(&self, name: &str) -> Result<&Client> {
+        self.on(name)
+    }
+
+    /// Every backend: `(name, client on it)`, in name order; one entry, `default`, for a client
+    /// opened on one URL.
+    pub fn backends(&self) -> Vec<(&str, &Client)> {
+        match &self.router {
+            None => vec![(SINGLE_BACKEND, self)],
+            Some(r) => r.backends.iter().map(|(n, c)| (n.as_str(), c)).collect(),
+        }
+    }
+
+    /// The routing table of a routed client.
+    pub fn routes(&self) -> Option<&Routes> {
+        self.router.as_ref().map(|r| &r.routes)
+    }
+
+    /// A routed client on backends already opened, one per name of `routes`.
+    pub(crate) fn on_routes(routes: Routes, backends: BTreeMap<String, Client>) -> Result<Client> {
+        let first = routes
+            .default_backend_name()
+            .and_then(|d| backends.get(d))
+            .or_else(|| backends.values().next())
+            .ok_or_else(|| Error::invalid("the routing table names no backend"))?;
+        Ok(Client {
+            inner: first.inner.clone(),
+            router: Some(Arc::new(Router { routes, backends })),
+        })
+    }
+
+    /// The single-backend client that serves `name`.
+    pub(crate) fn on(&self, name: &str) -> Result<&Client> {
+        let Some(router) = &self.router else {
+            return Ok(self);
+        };
+        let backend = router.routes.backend_for(name)?;
+        router.backends.get(backend).ok_or_else(|| {
+            Error::invalid(format!("backend {backend:?} is not open")).with_resource(name)
+        })
+    }
+
     /// The engine keys a resource name maps to, labelled (`lock`, `fence`, ...), so that other
     /// tools can take or inspect the same lock.
     pub fn keys_for(&self, name: &str) -> Result<Vec<(&'static str, String)>> {
         validate_name(name)?;
-        Ok(self.inner.engine.keys(name))
+        Ok(self.on(name)?.inner.engine.keys(name))
     }
 
     /// The current holder of `name`, if the lock is held.
     pub async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
         validate_name(name)?;
-        let inner = &self.inner;
+        let inner = &self.on(name)?.inner;
         inner
             .calls
             .call(name, inner.cfg.op_timeout, inner.engine.inspect(name))
@@ -256,20 +355,30 @@ impl Client {
     }
 
     /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost
-    /// after failed renewals) to finish. Call it before a process exits.
+    /// after failed renewals) to finish, on every backend. Call it before a process exits.
     pub async fn close(&self) {
-        self.inner.cleanup.close();
-        self.inner.cleanup.wait().await;
-        self.inner.cleanup.reopen();
+        for (_, client) in self.backends() {
+            let inner = &client.inner;
+            inner.cleanup.close();
+            inner.cleanup.wait().await;
+            inner.cleanup.reopen();
+        }
     }
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client")
-            .field("engine", &self.engine())
-            .field("url", &self.url())
-            .finish()
+        match &self.router {
+            None => f
+                .debug_struct("Client")
+                .field("engine", &self.engine())
+                .field("url", &self.url())
+                .finish(),
+            Some(r) => f
+                .debug_struct("Client")
+                .field("backends", &r.backends)
+                .finish(),
+        }
     }
 }
 

@@ -56,6 +56,7 @@ struct Inner {
     message: String,
     resource: Option<String>,
     engine: Option<&'static str>,
+    backend: Option<String>,
     holder: Option<Holder>,
     stale: Option<(FencingToken, FencingToken)>,
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
@@ -72,6 +73,7 @@ impl Error {
                 message: message.into(),
                 resource: None,
                 engine: None,
+                backend: None,
                 holder: None,
                 stale: None,
                 source: None,
@@ -109,6 +111,12 @@ impl Error {
 
     pub(crate) fn with_engine(mut self, engine: &'static str) -> Error {
         self.inner.engine = Some(engine);
+        self
+    }
+
+    /// Names the backend of a routed client the error came from.
+    pub(crate) fn with_backend(mut self, backend: &str) -> Error {
+        self.inner.backend = Some(backend.to_owned());
         self
     }
 
@@ -169,6 +177,12 @@ impl Error {
         self.inner.engine
     }
 
+    /// The backend the error came from, for a client that routes names among several
+    /// ([`Client::routed`](crate::Client::routed)).
+    pub fn backend(&self) -> Option<&str> {
+        self.inner.backend.as_deref()
+    }
+
     /// The current holder, when the lock was found held by another owner.
     pub fn holder(&self) -> Option<&Holder> {
         self.inner.holder.as_ref()
@@ -197,6 +211,15 @@ impl fmt::Display for Error {
             write!(f, "lock {resource:?}")?;
             if let Some(engine) = i.engine {
                 write!(f, " on {engine}")?;
+            }
+            if let Some(backend) = &i.backend {
+                write!(f, " (backend {backend})")?;
+            }
+            write!(f, ": ")?;
+        } else if let Some(backend) = &i.backend {
+            write!(f, "backend {backend}")?;
+            if let Some(engine) = i.engine {
+                write!(f, " ({engine})")?;
             }
             write!(f, ": ")?;
         } else if let Some(engine) = i.engine {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::core::call::Calls;
 use crate::core::client::ClientInner;
 use crate::core::error::{Error, ErrorKind, Result};
 use crate::core::metrics::{self, Loss};
@@ -22,6 +23,8 @@ pub(crate) struct LeaseState {
     pub token: FencingToken,
     pub ttl: Duration,
     pub engine: &'static str,
+    /// The `backend` label of its metrics.
+    pub backend: Arc<str>,
     /// The resource's metrics label, chosen once so that a lease's series never change.
     pub label: String,
     deadline: Mutex<Instant>,
@@ -39,7 +42,7 @@ impl LeaseState {
         token: FencingToken,
         ttl: Duration,
         deadline: Instant,
-        engine: &'static str,
+        calls: &Calls,
     ) -> LeaseState {
         LeaseState {
             id,
@@ -48,7 +51,8 @@ impl LeaseState {
             owner,
             token,
             ttl,
-            engine,
+            engine: calls.engine,
+            backend: calls.backend_label().into(),
             deadline: Mutex::new(deadline),
             lost: CancellationToken::new(),
             lost_reason: OnceLock::new(),
@@ -73,7 +77,7 @@ impl LeaseState {
                 reason = %self.lost_reason.get().map(String::as_str).unwrap_or(""),
                 "lease lost"
             );
-            metrics::lease_lost(self.engine, &self.label, loss);
+            metrics::lease_lost(self.engine, &self.backend, &self.label, loss);
             self.end_hold();
         }
         self.lost.cancel();
@@ -82,13 +86,18 @@ impl LeaseState {
     /// Records the hold duration, once: the hold ends at the first of loss, release or drop.
     pub(crate) fn end_hold(&self) {
         if !self.hold_recorded.swap(true, Ordering::Relaxed) {
-            metrics::hold_ended(self.engine, &self.label, self.granted.elapsed());
+            metrics::hold_ended(
+                self.engine,
+                &self.backend,
+                &self.label,
+                self.granted.elapsed(),
+            );
         }
     }
 
     /// Records one renewal attempt; `extended` when it pushed the validity window out.
     pub(crate) fn renewal_attempted(&self, extended: bool) {
-        metrics::renewal(self.engine, &self.label, extended);
+        metrics::renewal(self.engine, &self.backend, &self.label, extended);
     }
 
     pub(crate) fn is_lost(&self) -> bool {

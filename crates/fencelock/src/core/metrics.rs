@@ -2,19 +2,26 @@
 //! exporter (the `fencelock` binary serves Prometheus text with `--metrics-addr`). With no
 //! recorder installed, recording costs next to nothing.
 //!
-//! Everything is recorded in the core (acquire loop, lease, watchdog), never in an engine, so
-//! every engine reports the same series.
+//! Everything is recorded in the core (acquire loop, lease, watchdog), so every engine reports
+//! the same series; the exception is the per-node pair ([`NODE_UP`], [`NODE_CALL_FAILURES`]),
+//! which only the engine can see, recorded through this module so its labels stay uniform.
+//!
+//! Every series of a lock carries a `backend` label as well, after `engine`: the backend's name
+//! in a client routed by prefix ([`Client::routed`](crate::Client::routed)), `default` for a
+//! client opened on one URL.
 //!
 //! | name | type | labels | what |
 //! |---|---|---|---|
-//! | [`ACQUIRE_DURATION`] | histogram | `engine`, `resource`, `outcome` | one `acquire`/`try_acquire` call, waiting included |
-//! | [`ACQUIRE_FAILURES`] | counter | `engine`, `resource`, `reason` | acquisitions that returned an error |
-//! | [`HOLD_DURATION`] | histogram | `engine`, `resource` | from grant to release, loss or drop |
-//! | [`LEASE_TTL`] | gauge | `engine`, `resource` | the TTL of the latest grant |
-//! | [`RENEWALS`] | counter | `engine`, `resource` | renewal attempts, one per lease |
-//! | [`RENEWAL_FAILURES`] | counter | `engine`, `resource` | renewal attempts that did not extend the lease |
-//! | [`LEASES_LOST`] | counter | `engine`, `resource`, `reason` | leases marked lost |
+//! | [`ACQUIRE_DURATION`] | histogram | `engine`, `backend`, `resource`, `outcome` | one `acquire`/`try_acquire` call, waiting included |
+//! | [`ACQUIRE_FAILURES`] | counter | `engine`, `backend`, `resource`, `reason` | acquisitions that returned an error |
+//! | [`HOLD_DURATION`] | histogram | `engine`, `backend`, `resource` | from grant to release, loss or drop |
+//! | [`LEASE_TTL`] | gauge | `engine`, `backend`, `resource` | the TTL of the latest grant |
+//! | [`RENEWALS`] | counter | `engine`, `backend`, `resource` | renewal attempts, one per lease |
+//! | [`RENEWAL_FAILURES`] | counter | `engine`, `backend`, `resource` | renewal attempts that did not extend the lease |
+//! | [`LEASES_LOST`] | counter | `engine`, `backend`, `resource`, `reason` | leases marked lost |
 //! | [`STALE_TOKEN_REJECTIONS`] | counter | `resource` | writes refused by a [fence](crate::fence) |
+//! | [`NODE_UP`] | gauge | `engine`, `node` | whether the latest call to a Redis node reached it |
+//! | [`NODE_CALL_FAILURES`] | counter | `engine`, `node` | calls to a Redis node that did not reach it |
 //!
 //! `outcome` is one of `acquired`, `held`, `timed_out`, `error`, `invalid`, `limit`; an acquire
 //! failure's `reason` is `held` (one attempt found the lock held), `timed_out` (the wait ran
@@ -103,6 +110,15 @@ pub const RENEWAL_FAILURES: &str = "fencelock_renewal_failures_total";
 /// `renewals_failed`).
 pub const LEASES_LOST: &str = "fencelock_leases_lost_total";
 
+/// Whether the latest call to one node of a multi-node engine reached it (1) or not (0), by
+/// engine and node (`host:port`). Recorded by the engine, per node call: with one Redlock node
+/// down acquisitions still succeed, so this is the series that shows it.
+pub const NODE_UP: &str = "fencelock_node_up";
+
+/// Calls to one node that did not reach it (no connection, no answer in time, credentials
+/// refused), by engine and node.
+pub const NODE_CALL_FAILURES: &str = "fencelock_node_call_failures_total";
+
 /// Stale-token rejections by fences, by resource.
 pub const STALE_TOKEN_REJECTIONS: &str = "fencelock_stale_token_rejections_total";
 
@@ -146,6 +162,14 @@ pub fn describe() {
     metrics::describe_counter!(
         LEASES_LOST,
         "Leases marked lost, by reason (expired, not_holder, renewals_failed)"
+    );
+    metrics::describe_gauge!(
+        NODE_UP,
+        "Whether the latest call to this engine node reached it (1) or not (0)"
+    );
+    metrics::describe_counter!(
+        NODE_CALL_FAILURES,
+        "Calls to this engine node that did not reach it"
     );
     metrics::describe_counter!(
         STALE_TOKEN_REJECTIONS,
@@ -200,6 +224,7 @@ impl Loss {
 /// the outcome label, for the caller's span.
 pub(crate) fn acquire_finished(
     engine: &'static str,
+    backend: &str,
     resource: &str,
     elapsed: Duration,
     result: Result<Duration, ErrorKind>,
@@ -216,6 +241,7 @@ pub(crate) fn acquire_finished(
     metrics::histogram!(
         ACQUIRE_DURATION,
         "engine" => engine,
+        "backend" => backend.to_owned(),
         "resource" => label.clone(),
         "outcome" => outcome
     )
@@ -226,49 +252,63 @@ pub(crate) fn acquire_finished(
         metrics::counter!(
             ACQUIRE_FAILURES,
             "engine" => engine,
+        "backend" => backend.to_owned(),
             "resource" => label.clone(),
             "reason" => r
         )
         .increment(u64::from(reason == Some(r)));
     }
     if let Ok(ttl) = result {
-        metrics::gauge!(LEASE_TTL, "engine" => engine, "resource" => label.clone())
+        metrics::gauge!(LEASE_TTL, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
             .set(ttl.as_secs_f64());
-        metrics::counter!(RENEWALS, "engine" => engine, "resource" => label.clone()).increment(0);
-        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "resource" => label.clone())
+        metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone()).increment(0);
+        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
             .increment(0);
         for loss in [Loss::Expired, Loss::NotHolder, Loss::RenewalsFailed] {
-            lease_lost_by(engine, &label, loss, 0);
+            lease_lost_by(engine, backend, &label, loss, 0);
         }
     }
     outcome
 }
 
-pub(crate) fn hold_ended(engine: &'static str, label: &str, held: Duration) {
-    metrics::histogram!(HOLD_DURATION, "engine" => engine, "resource" => label.to_owned())
+pub(crate) fn hold_ended(engine: &'static str, backend: &str, label: &str, held: Duration) {
+    metrics::histogram!(HOLD_DURATION, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned())
         .record(held.as_secs_f64());
 }
 
-pub(crate) fn renewal(engine: &'static str, label: &str, extended: bool) {
-    metrics::counter!(RENEWALS, "engine" => engine, "resource" => label.to_owned()).increment(1);
+pub(crate) fn renewal(engine: &'static str, backend: &str, label: &str, extended: bool) {
+    metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned()).increment(1);
     if !extended {
-        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "resource" => label.to_owned())
+        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned())
             .increment(1);
     }
 }
 
-pub(crate) fn lease_lost(engine: &'static str, label: &str, loss: Loss) {
-    lease_lost_by(engine, label, loss, 1);
+pub(crate) fn lease_lost(engine: &'static str, backend: &str, label: &str, loss: Loss) {
+    lease_lost_by(engine, backend, label, loss, 1);
 }
 
-fn lease_lost_by(engine: &'static str, label: &str, loss: Loss, n: u64) {
+fn lease_lost_by(engine: &'static str, backend: &str, label: &str, loss: Loss, n: u64) {
     metrics::counter!(
         LEASES_LOST,
         "engine" => engine,
+        "backend" => backend.to_owned(),
         "resource" => label.to_owned(),
         "reason" => loss.label()
     )
     .increment(n);
+}
+
+/// One call to `node` of an engine reached it or not. The failure counter starts at zero with
+/// the node's first call, so that `increase()` sees its first failure.
+pub(crate) fn node_answered(engine: &'static str, node: &str, reached: bool) {
+    metrics::gauge!(NODE_UP, "engine" => engine, "node" => node.to_owned()).set(if reached {
+        1.0
+    } else {
+        0.0
+    });
+    metrics::counter!(NODE_CALL_FAILURES, "engine" => engine, "node" => node.to_owned())
+        .increment(u64::from(!reached));
 }
 
 /// A fence met `resource` (an in-memory fence the first time, a remote one at every accepted

@@ -16,6 +16,20 @@ pub struct HeldLock {
     pub resource: String,
     /// Who holds it.
     pub holder: Holder,
+    /// The backend it is held on: its name in a routed client
+    /// ([`Client::routed`](crate::Client::routed)), else `default`.
+    pub backend: String,
+}
+
+impl HeldLock {
+    /// A lock an engine found; the client fills in the backend.
+    pub(crate) fn new(resource: String, holder: Holder) -> HeldLock {
+        HeldLock {
+            resource,
+            holder,
+            backend: crate::core::routes::SINGLE_BACKEND.to_owned(),
+        }
+    }
 }
 
 /// One forced release, as the engine's audit log keeps it.

@@ -9,6 +9,7 @@
 use crate::core::client::{Client, ClientBuilder};
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
+use crate::core::routes::Routes;
 use crate::core::url::redact_url;
 
 #[cfg(feature = "etcd")]
@@ -332,8 +333,51 @@ impl ClientBuilder {
     /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the engine cannot be reached.
     pub async fn connect(self) -> Result<Client> {
         let cfg = self.config()?;
+        if let Some(routes) = self.routing() {
+            return connect_routed(&self, routes, &cfg).await;
+        }
         let opened = open(self.url(), &cfg).await?;
         Ok(self.start(cfg, opened))
+    }
+}
+
+/// Opens every backend of a routed client once, in name order. A backend that cannot be
+/// opened fails the whole client, naming it: a client must not start with a route that would
+/// fail every call.
+async fn connect_routed(
+    builder: &ClientBuilder,
+    routes: &Routes,
+    cfg: &EngineConfig,
+) -> Result<Client> {
+    routes.check(&check_url)?;
+    let mut backends = std::collections::BTreeMap::new();
+    for (name, url) in routes.backends() {
+        let one = builder.for_backend(name, url);
+        let opened = open(url, cfg).await.map_err(|e| e.with_backend(name))?;
+        backends.insert(name.to_owned(), one.start(cfg.clone(), opened));
+    }
+    Client::on_routes(routes.clone(), backends)
+}
+
+fn check_url(url: &str) -> Result<()> {
+    Backend::parse(url).map(drop)
+}
+
+impl Routes {
+    /// Reads a routing table from TOML text (format in `docs/routing.md`) and checks it,
+    /// every backend URL included, before anything is opened.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) naming the line or field:
+    /// a syntax error, an unknown field, a route to an unknown backend, a duplicate prefix,
+    /// an invalid URL, no default where one is needed.
+    pub fn from_toml(text: &str) -> Result<Routes> {
+        Routes::parse_toml(text, None, &check_url)
+    }
+
+    /// [`Routes::from_toml`] on the contents of a file, whose path errors name.
+    pub fn load(path: &std::path::Path) -> Result<Routes> {
+        Routes::load_with(path, &check_url)
     }
 }
 

@@ -50,7 +50,8 @@ impl Client {
     pub fn election(&self, name: &str) -> Result<Election> {
         validate_name(name)?;
         Ok(Election {
-            client: self.clone(),
+            // A routed client's election lives on the backend its name routes to.
+            client: self.on(name)?.clone(),
             name: name.to_owned(),
         })
     }

@@ -27,6 +27,7 @@
 //! - **The audit log lives in the engine** (a table in the SQLite file, a capped stream on each
 //!   Redis node), next to the locks it is about, readable by anyone who can inspect them.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
 use crate::core::client::Client;
@@ -35,6 +36,7 @@ use crate::core::holder::{Holder, HolderMeta};
 use crate::core::name::{validate_name, MAX_NAME_BYTES};
 use crate::core::options::{display_duration, renew_interval};
 use crate::core::records::{AuditRecord, HeldLock};
+use crate::core::routes::Routes;
 use crate::core::token::FencingToken;
 
 /// The age after which a holder's last renewal counts as overdue for a lease of this TTL: the
@@ -320,13 +322,45 @@ impl Client {
                 "a name prefix must be at most {MAX_NAME_BYTES} bytes without control characters"
             )));
         }
+        let mut locks = Vec::new();
+        match &self.router {
+            None => locks = self.list_here(prefix).await?,
+            Some(router) => {
+                // Only the backends some name under `prefix` can route to are asked, so that
+                // listing `jobs/` does not wait on a payments outage. They are asked at once.
+                let mut asked = tokio::task::JoinSet::new();
+                for name in backends_under(&router.routes, prefix) {
+                    if let Some(client) = router.backends.get(name) {
+                        let (client, prefix) = (client.clone(), prefix.to_owned());
+                        asked.spawn(async move { client.list_here(&prefix).await });
+                    }
+                }
+                while let Some(answer) = asked.join_next().await {
+                    let found = answer
+                        .map_err(|e| Error::invalid(format!("a listing task failed: {e}")))??;
+                    locks.extend(found);
+                }
+            }
+        }
+        locks.sort_by(|a, b| {
+            a.resource
+                .cmp(&b.resource)
+                .then_with(|| a.backend.cmp(&b.backend))
+        });
+        Ok(locks)
+    }
+
+    /// [`Client::list`] on this client's one backend, rows labelled with it.
+    async fn list_here(&self, prefix: &str) -> Result<Vec<HeldLock>> {
         let inner = &self.inner;
         let label = format!("{prefix}*");
         let mut locks = inner
             .calls
             .call(&label, inner.cfg.op_timeout * 12, inner.engine.list(prefix))
             .await?;
-        locks.sort_by(|a, b| a.resource.cmp(&b.resource));
+        for lock in &mut locks {
+            inner.calls.backend_label().clone_into(&mut lock.backend);
+        }
         Ok(locks)
     }
 
@@ -356,6 +390,17 @@ impl Client {
     ) -> Result<Option<AuditRecord>> {
         validate_name(name)?;
         request.validate()?;
+        let this = self.on(name)?;
+        this.force_release_here(name, request)
+            .await
+            .map_err(|e| this.inner.calls.named(e))
+    }
+
+    async fn force_release_here(
+        &self,
+        name: &str,
+        request: &ForceRelease,
+    ) -> Result<Option<AuditRecord>> {
         let inner = &self.inner;
         let engine = inner.engine.kind();
         let Some(holder) = self.inspect(name).await? else {
@@ -450,7 +495,18 @@ impl Client {
     pub async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         if let Some(name) = name {
             validate_name(name)?;
+            return self.on(name)?.audit_here(Some(name)).await;
         }
+        let mut records = Vec::new();
+        for (_, client) in self.backends() {
+            records.extend(client.audit_here(None).await?);
+        }
+        // Each backend's log is newest first; so is the merge.
+        records.sort_by_key(|r| std::cmp::Reverse(r.at));
+        Ok(records)
+    }
+
+    async fn audit_here(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         let inner = &self.inner;
         inner
             .calls
@@ -461,6 +517,24 @@ impl Client {
             )
             .await
     }
+}
+
+/// The backends some name starting with `prefix` routes to: those of the routes whose
+/// prefix starts with `prefix` (longer, more specific routes), and the one that the
+/// longest route `prefix` itself starts with gives (or the default) to every other name.
+fn backends_under<'a>(routes: &'a Routes, prefix: &str) -> BTreeSet<&'a str> {
+    let mut out: BTreeSet<&str> = routes
+        .routes()
+        .filter(|(p, _)| p.starts_with(prefix))
+        .map(|(_, b)| b)
+        .collect();
+    let enclosing = routes
+        .routes()
+        .find(|(p, _)| prefix.starts_with(p))
+        .map(|(_, b)| b)
+        .or(routes.default_backend_name());
+    out.extend(enclosing);
+    out
 }
 
 #[cfg(test)]

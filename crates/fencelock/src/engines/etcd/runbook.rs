@@ -76,10 +76,7 @@ impl EtcdEngine {
         }
         let mut held = Vec::with_capacity(heads.len());
         for (resource, kv) in heads {
-            held.push(HeldLock {
-                resource,
-                holder: self.holder_of(&kv).await,
-            });
+            held.push(HeldLock::new(resource, self.holder_of(&kv).await));
         }
         Ok(held)
     }

@@ -348,10 +348,10 @@ impl Engine for LeaseEngine {
         rows.iter()
             .map(|r| {
                 let key: String = self.read(r.try_get(0))?;
-                Ok(HeldLock {
-                    resource: self.shared.name_of(&key).to_owned(),
-                    holder: self.read(holder_from(r, 1))?,
-                })
+                Ok(HeldLock::new(
+                    self.shared.name_of(&key).to_owned(),
+                    self.read(holder_from(r, 1))?,
+                ))
             })
             .collect()
     }

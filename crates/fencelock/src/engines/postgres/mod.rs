@@ -602,15 +602,17 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
         .filter_map(|rest| rest.split_whitespace().next())
         .collect();
     // Unnamed, as every statement that may pass through a transaction pooler. The later
-    // additions count too: tables made before them still need the migrations.
+    // additions count too: tables made before them still need the migrations. The catalog,
+    // not information_schema, which hides the columns of tables the role may not use.
     let rows = client
         .query_typed(
             "SELECT bool_and(to_regclass(n) IS NOT NULL)
                     AND to_regprocedure('fencelock_advisory_quota(text,text,text,bigint)') IS NOT NULL
                     AND to_regprocedure('fencelock_lease_quota(text,text,text,bigint)') IS NOT NULL
-                    AND (SELECT count(*) = 2 FROM information_schema.columns
-                         WHERE column_name = 'holder_id' AND table_schema = current_schema()
-                           AND table_name IN ('fencelock_tokens', 'fencelock_leases'))
+                    AND (SELECT count(*) = 2 FROM pg_attribute
+                         WHERE attname = 'holder_id' AND NOT attisdropped
+                           AND attrelid IN (to_regclass('fencelock_tokens'),
+                                            to_regclass('fencelock_leases')))
              FROM unnest($1::text[]) n",
             &[(&names, Type::TEXT_ARRAY)],
         )

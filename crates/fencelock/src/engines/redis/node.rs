@@ -26,6 +26,8 @@ struct NodeSeen {
 
 pub(super) struct Node {
     pub(super) addr: String,
+    /// `redis` or `redlock`, the `engine` label of the node's metrics.
+    kind: &'static str,
     conn: ConnectionManager,
     seen: Mutex<NodeSeen>,
 }
@@ -52,6 +54,7 @@ impl Node {
             })?;
         let node = Node {
             addr: format!("{}:{}", node.host, node.port),
+            kind,
             conn,
             seen: Mutex::new(NodeSeen::default()),
         };
@@ -107,7 +110,18 @@ impl Node {
         request: impl std::future::Future<Output = redis::RedisResult<T>>,
         limit: Duration,
     ) -> NodeResult<T> {
-        match tokio::time::timeout(limit, request).await {
+        let answer = tokio::time::timeout(limit, request).await;
+        // Reached: the node answered, if only with an error of its own (a script's refusal).
+        // Not reached: no connection, a dropped one, no answer in time, or credentials
+        // refused, none of which the other nodes' answers make visible while a quorum holds.
+        // `addr` is host:port, never the URL's password.
+        let reached = match &answer {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => e.code().is_some() && !is_auth_failure(e),
+            Err(_) => false,
+        };
+        crate::core::metrics::node_answered(self.kind, &self.addr, reached);
+        match answer {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if is_auth_failure(&e) => Err(format!(
                 "{}: authentication failed ({e}); check the user and password",

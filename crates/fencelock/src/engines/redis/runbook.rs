@@ -163,10 +163,7 @@ impl RedisEngine {
             let holders = join_all(chunk.iter().map(|n| Engine::inspect(self, n))).await;
             for (name, holder) in chunk.iter().zip(holders) {
                 if let Some(holder) = holder? {
-                    held.push(HeldLock {
-                        resource: name.clone(),
-                        holder,
-                    });
+                    held.push(HeldLock::new(name.clone(), holder));
                 }
             }
         }

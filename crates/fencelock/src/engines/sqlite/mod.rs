@@ -626,10 +626,7 @@ impl Engine for SqliteEngine {
                     continue;
                 }
                 if let Some(name) = row.key.strip_prefix(&engine_prefix) {
-                    out.push(HeldLock {
-                        resource: name.to_owned(),
-                        holder: row.holder(now),
-                    });
+                    out.push(HeldLock::new(name.to_owned(), row.holder(now)));
                 }
             }
             Ok(out)

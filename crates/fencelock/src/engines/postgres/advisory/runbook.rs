@@ -58,10 +58,10 @@ impl AdvisoryEngine {
         for r in &rows {
             let read = || -> std::result::Result<HeldLock, tokio_postgres::Error> {
                 let key: String = r.try_get(0)?;
-                Ok(HeldLock {
-                    resource: self.shared.name_of(&key).to_owned(),
-                    holder: holder_from(r, 1)?,
-                })
+                Ok(HeldLock::new(
+                    self.shared.name_of(&key).to_owned(),
+                    holder_from(r, 1)?,
+                ))
             };
             out.push(read().map_err(|e| self.shared.error("listing locks", e))?);
         }
