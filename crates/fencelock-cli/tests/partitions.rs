@@ -17,7 +17,7 @@ use std::time::Duration;
 use chaos_kit::*;
 #[cfg(feature = "etcd")]
 use fencelock_testkit::EtcdCluster;
-use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy};
+use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy, PgServer};
 
 /// Proxies that every worker shares, one per node: a fault on one is a fault of the node's
 /// network as every client sees it.
@@ -328,7 +328,7 @@ async fn latency(slow: usize, rows: &mut Vec<Row>) {
     // One worker per resource, so that no acquisition waits for another holder and the grant's
     // validity can be compared with the moment its one attempt began.
     let run = Run::new(&format!("redlock://{}", net.addrs()), ttl, 4, 1, Policy::Go);
-    let target = if long_form() { 400 } else { 20 };
+    let target = if long_form() { 150 } else { 20 };
     let net2 = net.clone();
     let o = execute(
         run,
@@ -435,6 +435,77 @@ async fn etcd_holder_cut(rows: &mut Vec<Row>) {
     drop(cluster);
 }
 
+/// A PostgreSQL holder whose connection goes silent (blackholed: no reset, no close). It
+/// learns of the loss by its renewal deadline; the server, which still sees a healthy TCP
+/// peer (the proxy), ends the silent session after its `idle_session_timeout`, and only then
+/// can another client take the advisory lock.
+async fn pg_holder_cut(rows: &mut Vec<Row>) {
+    let server = PgServer::start().unwrap();
+    let idle = Duration::from_secs(2);
+    let out = server
+        .psql(&format!(
+            "ALTER SYSTEM SET idle_session_timeout = '{}ms'",
+            idle.as_millis()
+        ))
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = server.psql("SELECT pg_reload_conf()").unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let net = PerWorker::new(&[server.port()]);
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("postgres://postgres@{}/postgres", n2.addrs_for(id)[0])
+    }));
+    let n3 = net.clone();
+    run.cut = Some(Arc::new(move |id, on| {
+        let fault = if on { Fault::Blackhole } else { Fault::Pass };
+        n3.set(id, |_| true, fault);
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "300ms".into()];
+    let cycles = if long_form() { 40 } else { 4 };
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("postgres", "holder's connection blackholed", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert!(
+        row.v.writes_refused > 0,
+        "no cut-off write refused: {:?}",
+        row.v
+    );
+    check_losses(&o, "postgres holder blackholed");
+    // The successor waited for the server to end the silent session: the idle timeout after
+    // the victim's last renewal, which was at most one TTL before its validity deadline.
+    let mut gaps = Vec::new();
+    for l in &o.lost {
+        let next = o
+            .grants
+            .iter()
+            .filter(|g| g.resource == resource_of(l.worker) && g.token > l.token)
+            .min_by_key(|g| g.token);
+        if let Some(next) = next {
+            let gap = next.acquired.saturating_sub(l.valid_until);
+            assert!(
+                gap + 100_000_000 >= (idle - ttl).as_nanos(),
+                "a successor was granted {gap} ns after the silent holder's validity ended, \
+                 before the server could have ended its session: {next:?} {l:?}"
+            );
+            gaps.push(gap as f64 / 1e6);
+        }
+    }
+    println!("postgres: successor granted {gaps:.0?} ms after the silent holder's validity ended");
+    rows.push(row);
+    drop(server);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions() {
     let mut rows = Vec::new();
@@ -454,6 +525,9 @@ async fn partitions() {
     if wanted("latency") {
         latency(1, &mut rows).await;
         latency(2, &mut rows).await;
+    }
+    if wanted("pg_holder_cut") {
+        pg_holder_cut(&mut rows).await;
     }
     #[cfg(feature = "etcd")]
     if wanted("etcd_holder_cut") {
