@@ -11,13 +11,14 @@ mod chaos_kit;
 mod common;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chaos_kit::*;
-#[cfg(feature = "etcd")]
-use fencelock_testkit::EtcdCluster;
 use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy, PgServer};
+#[cfg(feature = "etcd")]
+use fencelock_testkit::{EtcdCluster, Lan};
 
 /// Proxies that every worker shares, one per node: a fault on one is a fault of the node's
 /// network as every client sees it.
@@ -44,14 +45,20 @@ impl Net {
 /// alone off from that node, while the others still reach it.
 #[derive(Clone)]
 struct PerWorker {
-    ports: Vec<u16>,
+    targets: Vec<SocketAddr>,
+    /// The namespace the proxies connect from (a test network's hub), if not this one.
+    netns: Option<std::path::PathBuf>,
     proxies: Arc<Mutex<HashMap<u32, Vec<FaultProxy>>>>,
 }
 
 impl PerWorker {
     fn new(ports: &[u16]) -> PerWorker {
         PerWorker {
-            ports: ports.to_vec(),
+            targets: ports
+                .iter()
+                .map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
+                .collect(),
+            netns: None,
             proxies: Arc::default(),
         }
     }
@@ -59,9 +66,12 @@ impl PerWorker {
     /// The worker's own `host:port` list, in node order.
     fn addrs_for(&self, id: u32) -> Vec<String> {
         let mine: Vec<FaultProxy> = self
-            .ports
+            .targets
             .iter()
-            .map(|p| FaultProxy::to_port(*p).unwrap())
+            .map(|t| match &self.netns {
+                None => FaultProxy::start(*t).unwrap(),
+                Some(ns) => FaultProxy::start_from(*t, ns).unwrap(),
+            })
             .collect();
         let addrs = mine.iter().map(|p| p.addr().to_string()).collect();
         self.proxies.lock().unwrap().insert(id, mine);
@@ -435,6 +445,72 @@ async fn etcd_holder_cut(rows: &mut Vec<Row>) {
     drop(cluster);
 }
 
+#[cfg(feature = "etcd")]
+/// The raft leader partitioned from the other members and from every client (its host's link
+/// taken down in a network of the test's own), each time a holder has just been granted a
+/// lock: the others elect a new leader, the holder's client moves to them, and whether its
+/// lease survives the election or not, no stale write is accepted.
+async fn etcd_leader_isolated(rows: &mut Vec<Row>) {
+    let lan =
+        Arc::new(Lan::new(3).expect("the leader-partition row needs root and iproute2 (ip netns)"));
+    let cluster = Arc::new(Mutex::new(EtcdCluster::start_on(lan.clone()).unwrap()));
+    let targets: Vec<SocketAddr> = cluster
+        .lock()
+        .unwrap()
+        .endpoints()
+        .iter()
+        .map(|e| e.parse().unwrap())
+        .collect();
+    let net = PerWorker {
+        targets,
+        netns: Some(lan.hub_path()),
+        proxies: Arc::default(),
+    };
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("etcd://{}", n2.addrs_for(id).join(","))
+    }));
+    let isolated: Arc<Mutex<Option<usize>>> = Arc::default();
+    let (c2, l2, i2) = (cluster.clone(), lan.clone(), isolated.clone());
+    run.cut = Some(Arc::new(move |_, on| {
+        let mut isolated = i2.lock().unwrap();
+        if on && isolated.is_none() {
+            if let Ok(leader) = c2.lock().unwrap().leader() {
+                l2.isolate(leader).unwrap();
+                *isolated = Some(leader);
+            }
+        } else if !on {
+            if let Some(i) = isolated.take() {
+                l2.rejoin(i).unwrap();
+            }
+        }
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "500ms".into()];
+    let cycles = if long_form() { 20 } else { 2 };
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("etcd", "leader isolated (own network)", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    println!(
+        "etcd leader isolated: {} cycles, {} holders lost their lease during the election",
+        row.cycles,
+        o.lost.len()
+    );
+    rows.push(row);
+    // The members go before their network does.
+    drop(cluster);
+    drop(lan);
+}
+
 /// A PostgreSQL holder whose connection goes silent (blackholed: no reset, no close). It
 /// learns of the loss by its renewal deadline; the server, which still sees a healthy TCP
 /// peer (the proxy), ends the silent session after its `idle_session_timeout`, and only then
@@ -532,6 +608,10 @@ async fn partitions() {
     #[cfg(feature = "etcd")]
     if wanted("etcd_holder_cut") {
         etcd_holder_cut(&mut rows).await;
+    }
+    #[cfg(feature = "etcd")]
+    if wanted("etcd_leader_isolated") {
+        etcd_leader_isolated(&mut rows).await;
     }
     print_table(&rows);
 }

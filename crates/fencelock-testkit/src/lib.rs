@@ -26,6 +26,7 @@
 
 mod command;
 mod etcd;
+mod netns;
 mod postgres;
 mod proc;
 mod proxy;
@@ -37,6 +38,7 @@ use std::time::{Duration, Instant};
 
 pub use command::{BinCommand, Finished, Proc, ProcError};
 pub use etcd::{EtcdCluster, EtcdTls};
+pub use netns::Lan;
 pub use postgres::{PgBouncer, PgServer};
 pub use proxy::{Fault, FaultProxy};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};

@@ -141,6 +141,10 @@ impl std::fmt::Debug for FaultProxy {
 impl FaultProxy {
     /// Starts a proxy to `target`, passing traffic until told otherwise.
     pub fn start(target: SocketAddr) -> io::Result<FaultProxy> {
+        Self::start_in(target, None)
+    }
+
+    fn start_in(target: SocketAddr, netns: Option<std::fs::File>) -> io::Result<FaultProxy> {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
@@ -158,7 +162,16 @@ impl FaultProxy {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name(format!("proxy-{}", addr.port()))
-                .spawn(move || accept_loop(listener, target, shared))?
+                .spawn(move || {
+                    // The listener was made here, in this process's namespace; only the
+                    // connections this thread opens from now on belong to the other one.
+                    if let Some(ns) = netns {
+                        if nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).is_err() {
+                            return;
+                        }
+                    }
+                    accept_loop(listener, target, shared)
+                })?
         };
         Ok(FaultProxy {
             addr,
@@ -166,6 +179,14 @@ impl FaultProxy {
             shared,
             acceptor: Some(acceptor),
         })
+    }
+
+    /// Like [`FaultProxy::start`], listening on loopback here but connecting to `target` from
+    /// the network namespace at `netns` (a [`crate::Lan`]'s hub), so that clients of this
+    /// namespace reach the hosts of a test's own network.
+    pub fn start_from(target: SocketAddr, netns: &std::path::Path) -> io::Result<FaultProxy> {
+        let ns = std::fs::File::open(netns)?;
+        Self::start_in(target, Some(ns))
     }
 
     /// Starts a proxy to a server on 127.0.0.1 at `port`.
