@@ -42,6 +42,30 @@ pub struct WorkerArgs {
     op_timeout: Duration,
 }
 
+/// `at` on CLOCK_MONOTONIC, in nanoseconds. Both clocks are CLOCK_MONOTONIC, but an `Instant`
+/// shows no raw value: the offset is read as a pair of readings, taken again when the process
+/// was preempted between them (under load that alone shifted a deadline by 11 ms).
+fn mono_of(at: tokio::time::Instant) -> u128 {
+    let mut best: Option<(u128, u128, tokio::time::Instant)> = None;
+    for _ in 0..20 {
+        let a = mono_ns();
+        let now = tokio::time::Instant::now();
+        let b = mono_ns();
+        if best.is_none_or(|(ba, bb, _)| b - a < bb - ba) {
+            best = Some((a, b, now));
+        }
+        if b - a < 20_000 {
+            break;
+        }
+    }
+    let Some((a, b, now)) = best else { return 0 };
+    let mid = a + (b - a) / 2;
+    match at.checked_duration_since(now) {
+        Some(ahead) => mid + ahead.as_nanos(),
+        None => mid.saturating_sub(now.duration_since(at).as_nanos()),
+    }
+}
+
 /// CLOCK_MONOTONIC in nanoseconds.
 pub fn mono_ns() -> u128 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
@@ -83,7 +107,7 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
             }
         };
         let acquired = mono_ns();
-        let valid_until = acquired + lease.time_left().as_nanos();
+        let valid_until = mono_of(lease.valid_until());
         let token = lease.token();
         send(
             &write,
@@ -96,12 +120,8 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
         let go = tokio::select! {
             line = lines.next_line() => line?,
             () = lease.lost() => {
-                let (now, at) = (tokio::time::Instant::now(), mono_ns());
-                let deadline = lease.valid_until();
-                let valid = match deadline.checked_duration_since(now) {
-                    Some(left) => at + left.as_nanos(),
-                    None => at.saturating_sub(now.duration_since(deadline).as_nanos()),
-                };
+                let at = mono_ns();
+                let valid = mono_of(lease.valid_until());
                 send(&write, format!("LOST {id} {token} {at} {valid}\n")).await?;
                 lines.next_line().await?
             }

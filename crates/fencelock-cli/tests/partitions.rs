@@ -196,6 +196,19 @@ async fn masks(n: usize, rows: &mut Vec<Row>) {
     drop(nodes);
 }
 
+/// The grant pairs whose believed windows overlap, for a failure message.
+fn overlaps(o: &Outcome) -> Vec<(Grant, Grant)> {
+    let mut out = Vec::new();
+    for a in &o.grants {
+        for b in &o.grants {
+            if a.resource == b.resource && a.token < b.token && b.acquired < a.believed_until() {
+                out.push((a.clone(), b.clone()));
+            }
+        }
+    }
+    out
+}
+
 /// Checks the loss reports of a row whose victims were cut off: every cut-off holder learnt of
 /// its loss, and its validity window had ended before a successor was granted the resource.
 /// Prints the shares that learnt by their validity deadline and before the successor's grant:
@@ -222,17 +235,20 @@ fn check_losses(o: &Outcome, what: &str) {
             continue;
         };
         cut += 1;
+        // A lost lease's validity ends when it was declared lost (the library's own clock), or
+        // at its deadline if that came first.
         assert!(
             l.valid_until < next.acquired,
-            "{what}: holder {} believed itself valid until {}, after the successor's grant at {}",
+            "{what}: holder {} believed itself valid until {}, after the successor's grant at {} \
+             (victim {v:?}, loss {l:?}, successor {next:?})",
             v.worker,
             l.valid_until,
             next.acquired
         );
-        if l.at <= l.valid_until {
+        if l.at <= v.valid_until {
             by_deadline += 1;
         } else {
-            late_max = late_max.max(l.at - l.valid_until);
+            late_max = late_max.max(l.at - v.valid_until);
         }
         if l.at < next.acquired {
             before_successor += 1;
@@ -549,7 +565,7 @@ async fn pg_holder_cut(rows: &mut Vec<Row>) {
     let row = Row::of("postgres", "holder's connection blackholed", &o);
     assert_safe(&row);
     assert!(row.cycles >= cycles, "{} cycles", row.cycles);
-    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert_eq!(row.v.double_grants, 0, "{:?} {:?}", row.v, overlaps(&o));
     assert!(
         row.v.writes_refused > 0,
         "no cut-off write refused: {:?}",

@@ -61,8 +61,9 @@ pub enum Policy {
     CutVictim,
 }
 
-/// A loss as the worker reported it: when it learnt, and the validity deadline it believed in
-/// then (CLOCK_MONOTONIC ns).
+/// A loss as the worker reported it: when it learnt, and its lease's validity end then, which
+/// is the moment the library declared the loss if that came before the deadline
+/// (CLOCK_MONOTONIC ns).
 #[derive(Debug, Clone)]
 pub struct Lost {
     pub worker: u32,
@@ -196,7 +197,10 @@ async fn handle(
                     .rev()
                     .find(|g| g.worker == l.worker && g.token == l.token)
                 {
-                    g.lost = Some(l.at);
+                    // When the library declared the loss (or the deadline, if earlier), not when
+                    // the worker got round to noticing: others may act on the release that
+                    // follows a loss at once.
+                    g.lost = Some(l.valid_until.min(l.at));
                 }
                 s.lost.push(l);
             }
