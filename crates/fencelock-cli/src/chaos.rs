@@ -34,6 +34,36 @@ pub struct WorkerArgs {
     /// The client's maximum TTL: how long a restarted Redis node sits out of quorum votes.
     #[arg(long, value_parser = parse_duration, default_value = "24h")]
     max_ttl: Duration,
+    /// How long one acquisition waits before it is reported as failed.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    wait: Duration,
+    /// The client's per-call deadline (a partitioned node answers never).
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    op_timeout: Duration,
+}
+
+/// `at` on CLOCK_MONOTONIC, in nanoseconds. Both clocks are CLOCK_MONOTONIC, but an `Instant`
+/// shows no raw value: the offset is read as a pair of readings, taken again when the process
+/// was preempted between them (under load that alone shifted a deadline by 11 ms).
+fn mono_of(at: tokio::time::Instant) -> u128 {
+    let mut best: Option<(u128, u128, tokio::time::Instant)> = None;
+    for _ in 0..20 {
+        let a = mono_ns();
+        let now = tokio::time::Instant::now();
+        let b = mono_ns();
+        if best.is_none_or(|(ba, bb, _)| b - a < bb - ba) {
+            best = Some((a, b, now));
+        }
+        if b - a < 20_000 {
+            break;
+        }
+    }
+    let Some((a, b, now)) = best else { return 0 };
+    let mid = a + (b - a) / 2;
+    match at.checked_duration_since(now) {
+        Some(ahead) => mid + ahead.as_nanos(),
+        None => mid.saturating_sub(now.duration_since(at).as_nanos()),
+    }
 }
 
 /// CLOCK_MONOTONIC in nanoseconds.
@@ -52,19 +82,18 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
         .prefix(&args.backend.prefix)
         .client_name("fencelock-chaos")
         .max_ttl(args.max_ttl)
+        .op_timeout(args.op_timeout)
         .connect()
         .await
         .map_err(fail)?;
     let stream = tokio::net::TcpStream::connect(&args.ledger).await?;
-    let (read, mut write) = stream.into_split();
+    let (read, write) = stream.into_split();
+    // The loss reporter below writes to the ledger too, from its own task.
+    let write = std::sync::Arc::new(tokio::sync::Mutex::new(write));
     let mut lines = BufReader::new(read).lines();
     let id = args.id;
-    write
-        .write_all(format!("HELLO {id} {}\n", std::process::id()).as_bytes())
-        .await?;
-    let opts = LockOptions::default()
-        .ttl(args.ttl)
-        .wait(Duration::from_secs(10));
+    send(&write, format!("HELLO {id} {}\n", std::process::id())).await?;
+    let opts = LockOptions::default().ttl(args.ttl).wait(args.wait);
     loop {
         let requested = mono_ns();
         let lease = match client.acquire(&args.name, &opts).await {
@@ -72,38 +101,52 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
             Err(e) if e.kind() == fencelock::ErrorKind::InvalidInput => return Err(fail(e)),
             Err(e) => {
                 let kind = format!("{:?}", e.kind());
-                write
-                    .write_all(format!("FAIL {id} {kind}\n").as_bytes())
-                    .await?;
+                let took = mono_ns().saturating_sub(requested);
+                send(&write, format!("FAIL {id} {kind} {took}\n")).await?;
                 continue;
             }
         };
         let acquired = mono_ns();
-        let valid_until = acquired + lease.time_left().as_nanos();
+        let valid_until = mono_of(lease.valid_until());
         let token = lease.token();
-        write
-            .write_all(
-                format!("GRANT {id} {token} {requested} {acquired} {valid_until}\n").as_bytes(),
-            )
-            .await?;
-        match lines.next_line().await? {
+        send(
+            &write,
+            format!("GRANT {id} {token} {requested} {acquired} {valid_until}\n"),
+        )
+        .await?;
+        // While it waits for the go-ahead, the worker reports the moment it learns of a loss,
+        // with the validity deadline it believed in then, so the suite can check that the
+        // holder knew before its window ended.
+        let go = tokio::select! {
+            line = lines.next_line() => line?,
+            () = lease.lost() => {
+                let at = mono_ns();
+                let valid = mono_of(lease.valid_until());
+                send(&write, format!("LOST {id} {token} {at} {valid}\n")).await?;
+                lines.next_line().await?
+            }
+        };
+        match go {
             Some(l) if l == "GO" => {}
             _ => return Ok(0),
         }
-        write
-            .write_all(format!("WRITE {id} {token}\n").as_bytes())
-            .await?;
+        send(&write, format!("WRITE {id} {token}\n")).await?;
         if lines.next_line().await?.is_none() {
             return Ok(0);
         }
         // The believed-valid window ends when the release starts.
-        write
-            .write_all(format!("RELEASE {id} {token} {}\n", mono_ns()).as_bytes())
-            .await?;
+        send(&write, format!("RELEASE {id} {token} {}\n", mono_ns())).await?;
         let _ = lease.release().await;
         // A short random rest after each release gives the other workers, and so the victim
         // the suite pauses, their turn: otherwise the releaser usually wins again at once.
         let rest = args.ttl.mul_f64((mono_ns() % 1000) as f64 / 4000.0);
         tokio::time::sleep(rest).await;
     }
+}
+
+async fn send(
+    write: &tokio::sync::Mutex<tokio::net::tcp::OwnedWriteHalf>,
+    line: String,
+) -> std::io::Result<()> {
+    write.lock().await.write_all(line.as_bytes()).await
 }

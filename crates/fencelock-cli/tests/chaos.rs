@@ -7,343 +7,14 @@
 //! Long form: `FENCELOCK_CHAOS_LONG=1 cargo test -p fencelock-cli --test chaos -- --nocapture`.
 #![allow(clippy::unwrap_used)]
 
-#[path = "history/checker.rs"]
-mod checker;
+mod chaos_kit;
 mod common;
 
-use checker::{check, Grant, Verdict, Write};
-
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{fencelock, Proc};
+use chaos_kit::*;
 use fencelock_testkit::{backend_url, redlock_url, start_redis_nodes, RedisServer};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpListener;
-
-fn long_form() -> bool {
-    std::env::var_os("FENCELOCK_CHAOS_LONG").is_some()
-}
-
-fn mono_ns() -> u128 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u128 * 1_000_000_000 + t.tv_nsec() as u128)
-        .unwrap()
-}
-
-/// A tiny xorshift: pauses and victims only need to vary, not to be unpredictable.
-struct Rng(u64);
-impl Rng {
-    fn new() -> Rng {
-        Rng(mono_ns() as u64 | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn between(&mut self, lo: f64, hi: f64) -> f64 {
-        lo + (self.next() % 10_000) as f64 / 10_000.0 * (hi - lo)
-    }
-}
-
-/// What the ledger does when a grant arrives, before it lets the worker write.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Policy {
-    /// Write at once.
-    Go,
-    /// Worker 0 of each resource is SIGSTOPped for 1-3 TTLs after each grant, then resumed
-    /// once a successor has written, and writes with its old token.
-    StopVictim,
-    /// Worker 0's grants are held while the harness restarts the node (see `restart_cycle`).
-    HoldVictim,
-}
-
-#[derive(Default)]
-struct State {
-    pids: HashMap<u32, u32>,
-    highest: HashMap<usize, u64>,
-    grants: Vec<Grant>,
-    writes: Vec<Write>,
-    fails: usize,
-    cycles: usize,
-}
-
-type Shared = Arc<Mutex<State>>;
-
-/// The worker processes, each stopped by its guard whatever happens.
-struct Workers(Vec<Proc>);
-
-type Spawner = Arc<dyn Fn(u32) -> Proc + Send + Sync>;
-
-/// Starts workers during a run: a client started after a node's restart has never seen the
-/// node before, so nothing tells it the node lost its data.
-struct Late {
-    spawn: Spawner,
-    workers: Arc<Mutex<Workers>>,
-}
-
-impl Late {
-    fn start(&self, id: u32) {
-        let child = (self.spawn)(id);
-        self.workers.lock().unwrap().0.push(child);
-    }
-}
-
-struct Run {
-    url: String,
-    ttl: Duration,
-    resources: usize,
-    per_resource: u32,
-    policy: Policy,
-    max_ttl: Duration,
-    /// Environment for worker 0 of each resource (the clock-skew scenario).
-    victim_env: Vec<(String, String)>,
-}
-
-fn resource_of(id: u32) -> usize {
-    (id / 10) as usize
-}
-
-async fn handle(
-    stream: tokio::net::TcpStream,
-    state: Shared,
-    policy: Policy,
-    ttl: Duration,
-    hold: Arc<tokio::sync::Notify>,
-) {
-    let (read, mut write) = stream.into_split();
-    let mut lines = BufReader::new(read).lines();
-    let mut rng = Rng::new();
-    while let Ok(Some(line)) = lines.next_line().await {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        match f.as_slice() {
-            ["HELLO", id, pid] => {
-                state
-                    .lock()
-                    .unwrap()
-                    .pids
-                    .insert(id.parse().unwrap(), pid.parse().unwrap());
-            }
-            ["FAIL", ..] => state.lock().unwrap().fails += 1,
-            ["RELEASE", id, token, at] => {
-                let (id, token): (u32, u64) = (id.parse().unwrap(), token.parse().unwrap());
-                let mut s = state.lock().unwrap();
-                if let Some(g) = s
-                    .grants
-                    .iter_mut()
-                    .rev()
-                    .find(|g| g.worker == id && g.token == token)
-                {
-                    g.released = Some(at.parse().unwrap());
-                }
-            }
-            ["GRANT", id, token, req, acq, valid] => {
-                let id: u32 = id.parse().unwrap();
-                let g = Grant {
-                    resource: resource_of(id),
-                    worker: id,
-                    token: token.parse().unwrap(),
-                    requested: req.parse().unwrap(),
-                    acquired: acq.parse().unwrap(),
-                    valid_until: valid.parse().unwrap(),
-                    released: None,
-                };
-                state.lock().unwrap().grants.push(g.clone());
-                let victim = id % 10 == 0;
-                if victim && policy == Policy::StopVictim {
-                    let pid = Pid::from_raw(state.lock().unwrap().pids[&id] as i32);
-                    let _ = kill(pid, Signal::SIGSTOP);
-                    tokio::time::sleep(ttl.mul_f64(rng.between(1.0, 3.0))).await;
-                    // Resume once a successor has written (or a few TTLs passed), so the
-                    // zombie's write comes after a newer token reached the ledger.
-                    let until = tokio::time::Instant::now() + ttl * 6;
-                    while tokio::time::Instant::now() < until {
-                        let written = state.lock().unwrap().highest.get(&g.resource).copied();
-                        if written.is_some_and(|h| h > g.token) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    let _ = kill(pid, Signal::SIGCONT);
-                    state.lock().unwrap().cycles += 1;
-                } else if victim && policy == Policy::HoldVictim {
-                    hold.notified().await;
-                }
-                if write.write_all(b"GO\n").await.is_err() {
-                    return;
-                }
-            }
-            ["WRITE", id, token] => {
-                let id: u32 = id.parse().unwrap();
-                let token: u64 = token.parse().unwrap();
-                let resource = resource_of(id);
-                let accepted = {
-                    let mut s = state.lock().unwrap();
-                    let highest = s.highest.entry(resource).or_insert(0);
-                    let ok = token >= *highest;
-                    if ok {
-                        *highest = token;
-                    }
-                    s.writes.push(Write {
-                        resource,
-                        worker: id,
-                        token,
-                        at: mono_ns(),
-                        accepted: ok,
-                    });
-                    ok
-                };
-                let reply: &[u8] = if accepted { b"OK\n" } else { b"STALE\n" };
-                if write.write_all(reply).await.is_err() {
-                    return;
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-/// Runs workers against `run.url` until `done` says so (or the deadline), while `chaos` does
-/// its damage; returns the checker's verdict and the ledger state.
-async fn execute<F, Fut>(
-    run: Run,
-    deadline: Duration,
-    done: impl Fn(&State) -> bool,
-    chaos: F,
-) -> (Verdict, usize, usize, f64)
-where
-    F: FnOnce(Shared, Arc<tokio::sync::Notify>, Late) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let ledger = listener.local_addr().unwrap().to_string();
-    let state: Shared = Arc::default();
-    let hold = Arc::new(tokio::sync::Notify::new());
-    {
-        let state = state.clone();
-        let (policy, ttl, hold) = (run.policy, run.ttl, hold.clone());
-        tokio::spawn(async move {
-            while let Ok((s, _)) = listener.accept().await {
-                tokio::spawn(handle(s, state.clone(), policy, ttl, hold.clone()));
-            }
-        });
-    }
-    let tag = format!("{:x}", mono_ns() as u64);
-    let (url, ttl, max_ttl, victim_env) = (
-        run.url.clone(),
-        run.ttl,
-        run.max_ttl,
-        run.victim_env.clone(),
-    );
-    let spawn: Spawner = Arc::new(move |id: u32| {
-        let mut cmd = fencelock(&["chaos-worker", "--backend", &url, "--ttl"]);
-        cmd.arg(format!("{}ms", ttl.as_millis()))
-            .arg("--max-ttl")
-            .arg(format!("{}ms", max_ttl.as_millis()))
-            .args([
-                "--name",
-                &format!("chaos-{tag}-{}", resource_of(id)),
-                "--ledger",
-                &ledger,
-            ])
-            .args(["--id", &id.to_string()])
-            .discard_output();
-        if id % 10 == 0 {
-            cmd.envs(victim_env.iter().cloned());
-        }
-        cmd.spawn().unwrap()
-    });
-    let workers = Arc::new(Mutex::new(Workers(Vec::new())));
-    for r in 0..run.resources {
-        for k in 0..run.per_resource {
-            let child = spawn((r as u32) * 10 + k);
-            workers.lock().unwrap().0.push(child);
-        }
-    }
-    let late = Late {
-        spawn,
-        workers: workers.clone(),
-    };
-    let started = std::time::Instant::now();
-    let watch = {
-        let state = state.clone();
-        async move {
-            while started.elapsed() < deadline && !done(&state.lock().unwrap()) {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    tokio::select! {
-        _ = watch => {}
-        _ = chaos(state.clone(), hold.clone(), late) => {
-            // The chaos ran its course; let the workers finish the cycle in flight.
-            tokio::time::sleep(run.ttl * 2).await;
-        }
-    }
-    hold.notify_waiters();
-    let stopped = std::mem::take(&mut workers.lock().unwrap().0);
-    drop(Workers(stopped));
-    let elapsed = started.elapsed().as_secs_f64();
-    let s = state.lock().unwrap();
-    (check(&s.grants, &s.writes), s.cycles, s.fails, elapsed)
-}
-
-struct Row {
-    engine: &'static str,
-    scenario: &'static str,
-    cycles: usize,
-    fails: usize,
-    seconds: f64,
-    v: Verdict,
-}
-
-fn print_table(rows: &[Row]) {
-    println!(
-        "\n{:<8} {:<30} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7} {:>7} {:>6} {:>6}",
-        "engine",
-        "scenario",
-        "cycles",
-        "grants",
-        "w.ok",
-        "w.refus",
-        "zombie",
-        "STALE",
-        "t.order",
-        "double",
-        "fails"
-    );
-    for r in rows {
-        println!(
-            "{:<8} {:<30} {:>6} {:>6} {:>7} {:>7} {:>6} {:>7} {:>7} {:>6} {:>6}  ({:.0} s, {:.1} grants/s)",
-            r.engine,
-            r.scenario,
-            r.cycles,
-            r.v.grants,
-            r.v.writes_accepted,
-            r.v.writes_refused,
-            r.v.zombie_writes,
-            r.v.stale_accepted + r.v.accepted_order_violations,
-            r.v.token_order_violations,
-            r.v.double_grants,
-            r.fails,
-            r.seconds,
-            r.v.grants as f64 / r.seconds.max(0.001)
-        );
-    }
-    println!("STALE: stale writes accepted plus accepted tokens out of order (must be 0)");
-}
-
-fn assert_safe(r: &Row) {
-    let what = format!("{} / {}: {:?}", r.engine, r.scenario, r.v);
-    assert_eq!(r.v.stale_accepted, 0, "{what}");
-    assert_eq!(r.v.accepted_order_violations, 0, "{what}");
-    assert!(r.v.grants > 0, "{what}");
-}
 
 /// Each engine under test, started fresh: (name, URL, servers to keep alive).
 fn engines(dir: &tempfile::TempDir) -> Vec<(&'static str, String, Vec<RedisServer>)> {
@@ -379,22 +50,18 @@ async fn chaos_suite() {
             policy: Policy::StopVictim,
             max_ttl: TTL * 5,
             victim_env: vec![],
+            url_for: None,
+            cut: None,
+            worker_args: vec![],
         };
-        let (v, c, fails, secs) = execute(
+        let o = execute(
             run,
             Duration::from_secs(240),
             |s| s.cycles >= cycles,
             |_, _, _| std::future::pending(),
         )
         .await;
-        let row = Row {
-            engine,
-            scenario: "SIGSTOP holder 1-3 x TTL",
-            cycles: c,
-            fails,
-            seconds: secs,
-            v,
-        };
+        let row = Row::of(engine, "SIGSTOP holder 1-3 x TTL", &o);
         assert_safe(&row);
         assert!(row.cycles >= cycles, "{} cycles", row.cycles);
         assert!(
@@ -430,10 +97,13 @@ async fn chaos_suite() {
                 ("FAKETIME_NO_CACHE".into(), "1".into()),
                 ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
             ],
+            url_for: None,
+            cut: None,
+            worker_args: vec![],
         };
         let jump = stamp.clone();
         let secs_total = if long_form() { 20 } else { 4 };
-        let (v, _, fails, secs) = execute(
+        let o = execute(
             run,
             Duration::from_secs(secs_total + 10),
             |_| false,
@@ -445,12 +115,8 @@ async fn chaos_suite() {
         )
         .await;
         let row = Row {
-            engine,
-            scenario: "wall clock +2 x TTL (faketime)",
             cycles: 1,
-            fails,
-            seconds: secs,
-            v,
+            ..Row::of(engine, "wall clock +2 x TTL (faketime)", &o)
         };
         assert_safe(&row);
         assert_eq!(row.v.double_grants, 0, "{engine}: {:?}", row.v);
@@ -469,10 +135,13 @@ async fn chaos_suite() {
             policy: Policy::Go,
             max_ttl: TTL * 5,
             victim_env: vec![],
+            url_for: None,
+            cut: None,
+            worker_args: vec![],
         };
         let rounds = if long_form() { 40 } else { 8 };
         let n2 = nodes.clone();
-        let (v, _, fails, secs) = execute(
+        let o = execute(
             run,
             Duration::from_secs(120),
             |_| false,
@@ -489,12 +158,8 @@ async fn chaos_suite() {
         )
         .await;
         let row = Row {
-            engine: "redlock",
-            scenario: "random node SIGKILL + restart",
             cycles: rounds,
-            fails,
-            seconds: secs,
-            v,
+            ..Row::of("redlock", "random node SIGKILL + restart", &o)
         };
         assert_safe(&row);
         assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
@@ -545,10 +210,13 @@ async fn chaos_suite() {
             policy: Policy::HoldVictim,
             max_ttl: ttl,
             victim_env: vec![],
+            url_for: None,
+            cut: None,
+            worker_args: vec![],
         };
         let rounds = 3;
         let s2 = servers.clone();
-        let (v, _, fails, secs) = execute(
+        let o = execute(
             run,
             Duration::from_secs(60),
             |_| false,
@@ -587,12 +255,8 @@ async fn chaos_suite() {
         )
         .await;
         let row = Row {
-            engine,
-            scenario,
             cycles: rounds,
-            fails,
-            seconds: secs,
-            v,
+            ..Row::of(engine, scenario, &o)
         };
         assert_safe(&row);
         if double {

@@ -38,6 +38,8 @@ pub struct EtcdCluster {
     members: Vec<Member>,
     dir: TempDir,
     tls: Option<EtcdTls>,
+    /// Member `i` runs on host `i` of this network, when the cluster was started on one.
+    lan: Option<std::sync::Arc<crate::Lan>>,
 }
 
 /// The certificates an etcd cluster serves clients with: the test kit's [`TestTls`].
@@ -46,17 +48,30 @@ pub type EtcdTls = crate::tls::TestTls;
 impl EtcdCluster {
     /// Starts `n` members and waits until every one reports healthy.
     pub fn start(n: usize) -> io::Result<EtcdCluster> {
-        Self::start_with(n, None)
+        Self::start_with(n, None, None)
     }
 
     /// Like [`EtcdCluster::start`], serving clients over TLS that requires a client
     /// certificate signed by `tls.ca` (`--client-cert-auth`); members talk plain HTTP to each
     /// other.
     pub fn start_tls(n: usize, tls: &EtcdTls) -> io::Result<EtcdCluster> {
-        Self::start_with(n, Some(tls.clone()))
+        Self::start_with(n, Some(tls.clone()), None)
     }
 
-    fn start_with(n: usize, tls: Option<EtcdTls>) -> io::Result<EtcdCluster> {
+    /// Starts one member on each host of `lan`, so that [`crate::Lan::isolate`] partitions a
+    /// member from the others and from every client. Its [`EtcdCluster::endpoints`] are the
+    /// hosts' addresses, which clients reach through a [`crate::FaultProxy::start_from`] the
+    /// hub; `etcdctl` runs in the hub.
+    pub fn start_on(lan: std::sync::Arc<crate::Lan>) -> io::Result<EtcdCluster> {
+        let n = lan.len();
+        Self::start_with(n, None, Some(lan))
+    }
+
+    fn start_with(
+        n: usize,
+        tls: Option<EtcdTls>,
+        lan: Option<std::sync::Arc<crate::Lan>>,
+    ) -> io::Result<EtcdCluster> {
         let dir = tempfile::Builder::new()
             .prefix("fencelock-etcd")
             .tempdir()?;
@@ -69,7 +84,12 @@ impl EtcdCluster {
                 pid: 0,
             })
             .collect();
-        let mut cluster = EtcdCluster { members, dir, tls };
+        let mut cluster = EtcdCluster {
+            members,
+            dir,
+            tls,
+            lan,
+        };
         for i in 0..n {
             cluster.launch(i)?;
         }
@@ -81,10 +101,18 @@ impl EtcdCluster {
 
     /// The client endpoints, `127.0.0.1:PORT` each, in member order.
     pub fn endpoints(&self) -> Vec<String> {
-        self.members
-            .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client_port))
-            .collect()
+        (0..self.members.len()).map(|i| self.endpoint(i)).collect()
+    }
+
+    fn host(&self, i: usize) -> String {
+        self.lan
+            .as_ref()
+            .map_or_else(|| "127.0.0.1".to_owned(), |l| l.ip(i).to_string())
+    }
+
+    fn endpoint(&self, i: usize) -> String {
+        let port = self.members.get(i).map_or(0, |m| m.client_port);
+        format!("{}:{port}", self.host(i))
     }
 
     /// `etcd://h1:p1,h2:p2,...` for every member (`etcds://` with the CA and the client
@@ -148,8 +176,7 @@ impl EtcdCluster {
             if m.child.is_none() {
                 continue;
             }
-            let ep = format!("127.0.0.1:{}", m.client_port);
-            let out = self.ctl_at(&ep, &["endpoint", "status", "-w", "simple"])?;
+            let out = self.ctl_at(&self.endpoint(i), &["endpoint", "status", "-w", "simple"])?;
             // `127.0.0.1:P, <id>, <version>, <db size>, <is leader>, ...`
             let text = String::from_utf8_lossy(&out.stdout);
             let is_leader = text.split(',').nth(4).map(str::trim) == Some("true");
@@ -194,14 +221,17 @@ impl EtcdCluster {
     }
 
     fn ctl_at(&self, endpoints: &str, args: &[&str]) -> io::Result<Output> {
-        Command::new(ctl_bin())
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={endpoints}"))
-            .args(self.ctl_tls_args())
-            .arg("--command-timeout=2s")
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
+        match &self.lan {
+            None => Command::new(ctl_bin()),
+            Some(lan) => lan.hub_command(ctl_bin()),
+        }
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoints}"))
+        .args(self.ctl_tls_args())
+        .arg("--command-timeout=2s")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
     }
 
     fn ctl_tls_args(&self) -> Vec<String> {
@@ -219,9 +249,12 @@ impl EtcdCluster {
         let initial = self
             .members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .enumerate()
+            .map(|(j, m)| format!("{}=http://{}:{}", m.name, self.host(j), m.peer_port))
             .collect::<Vec<_>>()
             .join(",");
+        let host = self.host(i);
+        let lan = self.lan.clone();
         let dir = self.dir.path().to_path_buf();
         let tls_args: Vec<String> = match &self.tls {
             None => Vec::new(),
@@ -236,50 +269,50 @@ impl EtcdCluster {
             return Err(io::Error::other(format!("no member {i}")));
         };
         let scheme = if tls_args.is_empty() { "http" } else { "https" };
-        let client = format!("{scheme}://127.0.0.1:{}", m.client_port);
-        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let client = format!("{scheme}://{host}:{}", m.client_port);
+        let peer = format!("http://{host}:{}", m.peer_port);
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join(format!("{}.stderr", m.name)))?;
-        let child = Command::new(server_bin())
-            .args(["--name", &m.name])
-            .arg("--data-dir")
-            .arg(dir.join(format!("{}.data", m.name)))
-            .args(["--logger", "zap"])
-            .arg(format!(
-                "--log-outputs={}",
-                dir.join(format!("{}.log", m.name)).display()
-            ))
-            .args(["--listen-client-urls", &client])
-            .args(["--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer])
-            .args(["--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &initial])
-            .args(["--initial-cluster-state", "new"])
-            .args(["--initial-cluster-token", "fencelock-test"])
-            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-            .args(&tls_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot start {}: {e}", server_bin().display()),
-                )
-            })?;
+        let child = match &lan {
+            None => Command::new(server_bin()),
+            Some(lan) => lan.command(i, server_bin()),
+        }
+        .args(["--name", &m.name])
+        .arg("--data-dir")
+        .arg(dir.join(format!("{}.data", m.name)))
+        .args(["--logger", "zap"])
+        .arg(format!(
+            "--log-outputs={}",
+            dir.join(format!("{}.log", m.name)).display()
+        ))
+        .args(["--listen-client-urls", &client])
+        .args(["--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer])
+        .args(["--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", &initial])
+        .args(["--initial-cluster-state", "new"])
+        .args(["--initial-cluster-token", "fencelock-test"])
+        .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+        .args(&tls_args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot start {}: {e}", server_bin().display()),
+            )
+        })?;
         m.pid = child.id();
         m.child = Some(child);
         Ok(())
     }
 
     fn wait_healthy(&mut self, i: usize) -> io::Result<()> {
-        let ep = format!(
-            "127.0.0.1:{}",
-            self.members.get(i).map_or(0, |m| m.client_port)
-        );
+        let ep = self.endpoint(i);
         let start = Instant::now();
         loop {
             if let Some(Some(status)) = self

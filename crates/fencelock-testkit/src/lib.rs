@@ -12,7 +12,8 @@
 //! members that can be killed, restarted and paused one by one. [`BinCommand`]
 //! starts the binaries under test themselves (`fencelock`, `fencelock-bench`)
 //! with a clean environment, output captured in files, and a [`Proc`] guard
-//! that stops them when a test ends.
+//! that stops them when a test ends. [`FaultProxy`] stands between a client and
+//! a node to cut, slow, reset or half-open the network while traffic flows.
 //!
 //! Nothing is installed: the binaries must already be present (on Debian,
 //! `apt-get install redis-server postgresql`), or be named by the
@@ -25,8 +26,10 @@
 
 mod command;
 mod etcd;
+mod netns;
 mod postgres;
 mod proc;
+mod proxy;
 mod redis;
 mod tls;
 
@@ -35,7 +38,9 @@ use std::time::{Duration, Instant};
 
 pub use command::{BinCommand, Finished, Proc, ProcError};
 pub use etcd::{EtcdCluster, EtcdTls};
+pub use netns::Lan;
 pub use postgres::{PgBouncer, PgServer};
+pub use proxy::{Fault, FaultProxy};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 pub use tls::TestTls;
 

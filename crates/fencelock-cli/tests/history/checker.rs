@@ -11,13 +11,17 @@ pub struct Grant {
     pub valid_until: u128,
     /// When the holder started to release, if it did.
     pub released: Option<u128>,
+    /// When the holder learnt it had lost the lease, if it did.
+    pub lost: Option<u128>,
 }
 
 impl Grant {
     /// End of the window in which the holder believed it held the lock.
     pub fn believed_until(&self) -> u128 {
-        self.released
-            .map_or(self.valid_until, |r| r.min(self.valid_until))
+        [self.released, self.lost]
+            .into_iter()
+            .flatten()
+            .fold(self.valid_until, u128::min)
     }
 }
 
@@ -123,6 +127,7 @@ mod tests {
             acquired,
             valid_until,
             released: None,
+            lost: None,
         }
     }
 

@@ -71,6 +71,15 @@ impl LeaseState {
 
     pub(crate) fn mark_lost(&self, loss: Loss, reason: String) {
         if self.lost_reason.set(reason).is_ok() {
+            // The window ends here even when its deadline is still ahead (the watchdog gives
+            // up early, and releases the lock at once), so that what the lease reports as its
+            // validity never outlasts the loss that others may already be acting on.
+            let now = Instant::now();
+            let mut deadline = self.deadline.lock().unwrap_or_else(|p| p.into_inner());
+            if *deadline > now {
+                *deadline = now;
+            }
+            drop(deadline);
             tracing::warn!(
                 resource = %self.resource,
                 token = %self.token,
@@ -164,7 +173,7 @@ impl Lease {
     }
 
     /// End of the validity window on the local monotonic clock, as of the last confirmed grant
-    /// or renewal.
+    /// or renewal; once the lease is lost, the moment it was declared lost, if that was earlier.
     pub fn valid_until(&self) -> Instant {
         self.state.deadline()
     }

@@ -1,0 +1,631 @@
+//! The chaos suite's network rows: the same workers, ledger and history checker as
+//! `tests/chaos.rs`, with a fault-injecting TCP proxy (`fencelock_testkit::FaultProxy`)
+//! between the clients and every engine node. Partitions, one-way silence, flapping links and
+//! slow links are how most real outages look; stale writes accepted must still be 0.
+//!
+//! Short form (run by `scripts/test`): `cargo test -p fencelock-cli --test partitions`.
+//! Long form: `FENCELOCK_CHAOS_LONG=1 cargo test -p fencelock-cli --test partitions -- --nocapture`.
+#![allow(clippy::unwrap_used)]
+
+mod chaos_kit;
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chaos_kit::*;
+use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy, PgServer};
+#[cfg(feature = "etcd")]
+use fencelock_testkit::{EtcdCluster, Lan};
+
+/// Proxies that every worker shares, one per node: a fault on one is a fault of the node's
+/// network as every client sees it.
+struct Net {
+    proxies: Vec<FaultProxy>,
+}
+
+impl Net {
+    fn new(ports: &[u16]) -> Net {
+        Net {
+            proxies: ports
+                .iter()
+                .map(|p| FaultProxy::to_port(*p).unwrap())
+                .collect(),
+        }
+    }
+    fn addrs(&self) -> String {
+        let a: Vec<String> = self.proxies.iter().map(|p| p.addr().to_string()).collect();
+        a.join(",")
+    }
+}
+
+/// One proxy per worker and node, made when the worker starts: a fault on one cuts that worker
+/// alone off from that node, while the others still reach it.
+#[derive(Clone)]
+struct PerWorker {
+    targets: Vec<SocketAddr>,
+    /// The namespace the proxies connect from (a test network's hub), if not this one.
+    netns: Option<std::path::PathBuf>,
+    proxies: Arc<Mutex<HashMap<u32, Vec<FaultProxy>>>>,
+}
+
+impl PerWorker {
+    fn new(ports: &[u16]) -> PerWorker {
+        PerWorker {
+            targets: ports
+                .iter()
+                .map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
+                .collect(),
+            netns: None,
+            proxies: Arc::default(),
+        }
+    }
+
+    /// The worker's own `host:port` list, in node order.
+    fn addrs_for(&self, id: u32) -> Vec<String> {
+        let mine: Vec<FaultProxy> = self
+            .targets
+            .iter()
+            .map(|t| match &self.netns {
+                None => FaultProxy::start(*t).unwrap(),
+                Some(ns) => FaultProxy::start_from(*t, ns).unwrap(),
+            })
+            .collect();
+        let addrs = mine.iter().map(|p| p.addr().to_string()).collect();
+        self.proxies.lock().unwrap().insert(id, mine);
+        addrs
+    }
+
+    /// Applies `fault` to worker `id`'s proxies of the nodes `which` selects.
+    fn set(&self, id: u32, which: impl Fn(usize) -> bool, fault: Fault) {
+        if let Some(ps) = self.proxies.lock().unwrap().get(&id) {
+            for (i, p) in ps.iter().enumerate() {
+                if which(i) {
+                    p.set(fault);
+                }
+            }
+        }
+    }
+}
+
+const TTL: Duration = Duration::from_millis(200);
+/// The workers' wait and per-call deadline in the rows where acquisitions must fail: short, so
+/// a phase without a majority shows its failures within a fraction of a second.
+const WAIT: Duration = Duration::from_millis(200);
+const OP_TIMEOUT: Duration = Duration::from_millis(100);
+
+fn short_deadlines() -> Vec<String> {
+    vec![
+        "--wait".into(),
+        format!("{}ms", WAIT.as_millis()),
+        "--op-timeout".into(),
+        format!("{}ms", OP_TIMEOUT.as_millis()),
+    ]
+}
+
+/// The grants reported between two snapshots of the ledger, and the failures.
+fn counts(s: &chaos_kit::Shared) -> (usize, usize) {
+    let s = s.lock().unwrap();
+    (s.grants.len(), s.fails)
+}
+
+/// Every mask of blackholed nodes (2^n of them, as redsync tests them): acquisitions succeed
+/// exactly when a majority is reachable and fail within the wait deadline otherwise.
+async fn masks(n: usize, rows: &mut Vec<Row>) {
+    let nodes = start_redis_nodes(n).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
+    let net = Arc::new(Net::new(&ports));
+    let mut run = Run::new(&format!("redlock://{}", net.addrs()), TTL, 2, 2, Policy::Go);
+    run.worker_args = short_deadlines();
+    // Long enough for an acquisition begun under the previous mask to end, and for a lock key
+    // written by a request held in the proxy to expire.
+    let settle = WAIT + OP_TIMEOUT * 2 + TTL;
+    // Longer than a failed acquisition takes, so every worker reports at least one failure in
+    // the window of a phase without a majority.
+    let window = Duration::from_millis(if long_form() { 1500 } else { 400 });
+    let phases: Arc<Mutex<Vec<(u32, usize, usize)>>> = Arc::default();
+    let (net2, phases2) = (net.clone(), phases.clone());
+    let o = execute(
+        run,
+        Duration::from_secs(180),
+        |_| false,
+        move |state, _, _| async move {
+            // Let every worker connect before the first fault.
+            while counts(&state).0 < 4 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for mask in 0..(1u32 << n) {
+                for (i, p) in net2.proxies.iter().enumerate() {
+                    p.set(if mask & (1 << i) != 0 {
+                        Fault::Blackhole
+                    } else {
+                        Fault::Pass
+                    });
+                }
+                tokio::time::sleep(settle).await;
+                let (g0, f0) = counts(&state);
+                tokio::time::sleep(window).await;
+                let (g1, f1) = counts(&state);
+                phases2.lock().unwrap().push((mask, g1 - g0, f1 - f0));
+            }
+            for p in &net2.proxies {
+                p.heal();
+            }
+        },
+    )
+    .await;
+    let scenario: &'static str = if n == 3 {
+        "every mask of 3 blackholed"
+    } else {
+        "every mask of 5 blackholed"
+    };
+    let row = Row {
+        cycles: 1 << n,
+        ..Row::of("redlock", scenario, &o)
+    };
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "{scenario}: {:?}", row.v);
+    let phases = phases.lock().unwrap();
+    assert_eq!(phases.len(), 1 << n, "every mask ran");
+    for &(mask, grants, fails) in phases.iter() {
+        let reachable = n - mask.count_ones() as usize;
+        if reachable > n / 2 {
+            assert!(
+                grants > 0,
+                "mask {mask:0n$b}: a majority is reachable, no grant"
+            );
+        } else {
+            assert_eq!(grants, 0, "mask {mask:0n$b}: granted without a majority");
+            assert!(fails > 0, "mask {mask:0n$b}: no acquisition failed");
+        }
+    }
+    // A failed acquisition gives up at its wait deadline, plus at most the one call that was
+    // in flight then (bounded by the per-call deadline).
+    let slowest = o.fail_ns.iter().max().copied().unwrap_or(0);
+    let bound = (WAIT + OP_TIMEOUT * 2 + Duration::from_millis(100)).as_nanos();
+    println!(
+        "{scenario}: {} failed acquisitions, slowest {:.0} ms (bound {:.0} ms)",
+        o.fail_ns.len(),
+        slowest as f64 / 1e6,
+        bound as f64 / 1e6
+    );
+    assert!(slowest <= bound, "a failed acquisition took {slowest} ns");
+    rows.push(row);
+    drop(nodes);
+}
+
+/// The grant pairs whose believed windows overlap, for a failure message.
+fn overlaps(o: &Outcome) -> Vec<(Grant, Grant)> {
+    let mut out = Vec::new();
+    for a in &o.grants {
+        for b in &o.grants {
+            if a.resource == b.resource && a.token < b.token && b.acquired < a.believed_until() {
+                out.push((a.clone(), b.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// Checks the loss reports of a row whose victims were cut off: every cut-off holder learnt of
+/// its loss, and its validity window had ended before a successor was granted the resource.
+/// Prints the shares that learnt by their validity deadline and before the successor's grant:
+/// those also depend on the scheduler waking the process in time (the watchdog gives up one
+/// drift allowance early, and a starved process can still wake later than that), so they are
+/// measured, not asserted; the long form reports them.
+fn check_losses(o: &Outcome, what: &str) {
+    let victims: Vec<&Grant> = o.grants.iter().filter(|g| g.worker % 10 == 0).collect();
+    let (mut cut, mut by_deadline, mut before_successor) = (0, 0, 0);
+    let mut late_max = 0u128;
+    for v in &victims {
+        let successor = o
+            .grants
+            .iter()
+            .filter(|g| g.resource == v.resource && g.token > v.token)
+            .min_by_key(|g| g.token);
+        let Some(next) = successor else { continue };
+        let Some(l) = o
+            .lost
+            .iter()
+            .find(|l| l.worker == v.worker && l.token == v.token)
+        else {
+            // Released before it was cut off (the last cycle of the run may end so).
+            continue;
+        };
+        cut += 1;
+        // A lost lease's validity ends when it was declared lost (the library's own clock), or
+        // at its deadline if that came first.
+        assert!(
+            l.valid_until < next.acquired,
+            "{what}: holder {} believed itself valid until {}, after the successor's grant at {} \
+             (victim {v:?}, loss {l:?}, successor {next:?})",
+            v.worker,
+            l.valid_until,
+            next.acquired
+        );
+        if l.at <= v.valid_until {
+            by_deadline += 1;
+        } else {
+            late_max = late_max.max(l.at - v.valid_until);
+        }
+        if l.at < next.acquired {
+            before_successor += 1;
+        }
+    }
+    assert!(cut > 0, "{what}: no victim was cut off");
+    println!(
+        "{what}: of {cut} cut-off holders, {by_deadline} learnt of the loss by their validity \
+         deadline (the others at most {:.1} ms late) and {before_successor} before the \
+         successor's grant; every validity window ended before the successor's grant",
+        late_max as f64 / 1e6
+    );
+}
+
+/// The holder cut off from a majority of the Redlock nodes while the other clients are not.
+async fn holder_cut(rows: &mut Vec<Row>) {
+    let nodes = start_redis_nodes(3).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
+    let net = PerWorker::new(&ports);
+    let mut run = Run::new("", TTL, 4, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("redlock://{}", n2.addrs_for(id).join(","))
+    }));
+    let n3 = net.clone();
+    run.cut = Some(Arc::new(move |id, on| {
+        let fault = if on { Fault::Blackhole } else { Fault::Pass };
+        n3.set(id, |i| i < 2, fault);
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "150ms".into()];
+    let cycles = if long_form() { 240 } else { 40 };
+    let o = execute(
+        run,
+        Duration::from_secs(300),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("redlock", "holder cut off from 2 of 3", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert!(
+        row.v.writes_refused > 0,
+        "no cut-off write refused: {:?}",
+        row.v
+    );
+    check_losses(&o, "redlock holder cut off from 2 of 3");
+    rows.push(row);
+    drop(nodes);
+}
+
+/// One node's link cut and restored every few hundred milliseconds.
+async fn flapping(rows: &mut Vec<Row>) {
+    let nodes = start_redis_nodes(3).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
+    let net = Arc::new(Net::new(&ports));
+    let mut run = Run::new(&format!("redlock://{}", net.addrs()), TTL, 4, 2, Policy::Go);
+    run.worker_args = vec!["--op-timeout".into(), "150ms".into()];
+    let target = if long_form() { 2000 } else { 400 };
+    let net2 = net.clone();
+    let o = execute(
+        run,
+        Duration::from_secs(240),
+        move |s| s.grants.len() >= target,
+        move |_, _, _| async move {
+            let mut rng = Rng::new();
+            loop {
+                net2.proxies[0].set(Fault::Blackhole);
+                tokio::time::sleep(Duration::from_millis(rng.between(200.0, 400.0) as u64)).await;
+                net2.proxies[0].heal();
+                tokio::time::sleep(Duration::from_millis(rng.between(200.0, 400.0) as u64)).await;
+            }
+        },
+    )
+    .await;
+    let row = Row::of("redlock", "1 of 3 flapping 200-400 ms", &o);
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert!(row.v.grants >= target, "{:?}", row.v);
+    println!(
+        "redlock flapping node: {} grants, {} failed acquisitions (availability {:.3})",
+        row.v.grants,
+        row.fails,
+        row.v.grants as f64 / (row.v.grants + row.fails) as f64
+    );
+    rows.push(row);
+    drop(nodes);
+}
+
+/// Nodes whose links are slowed by 50-200 ms each way: a grant's validity is counted from
+/// before its first request, so the slow answers are taken off it.
+async fn latency(slow: usize, rows: &mut Vec<Row>) {
+    let nodes = start_redis_nodes(3).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
+    let net = Arc::new(Net::new(&ports));
+    // A TTL whose per-node deadline (TTL/20, at most 500 ms) is longer than the slowest round
+    // trip, so slow nodes still vote and their slowness is taken off the validity; with a
+    // shorter TTL they would simply be outvoted as not answering in time.
+    let ttl = Duration::from_secs(10);
+    // One worker per resource, so that no acquisition waits for another holder and the grant's
+    // validity can be compared with the moment its one attempt began.
+    let run = Run::new(&format!("redlock://{}", net.addrs()), ttl, 4, 1, Policy::Go);
+    let target = if long_form() { 150 } else { 20 };
+    let net2 = net.clone();
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        move |s| s.grants.len() >= target,
+        move |_, _, _| async move {
+            let mut rng = Rng::new();
+            loop {
+                for p in net2.proxies.iter().take(slow) {
+                    let d = Duration::from_millis(rng.between(50.0, 200.0) as u64);
+                    p.set(Fault::Latency(d));
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        },
+    )
+    .await;
+    let scenario: &'static str = if slow == 1 {
+        "1 of 3 +50-200 ms each way"
+    } else {
+        "2 of 3 +50-200 ms each way"
+    };
+    let row = Row::of("redlock", scenario, &o);
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert!(row.v.grants >= target, "{:?}", row.v);
+    let drift = ttl.mul_f64(0.01) + Duration::from_millis(2);
+    // Validity on return is the TTL less the drift and less the time the granting attempt
+    // took. With a slow majority that attempt waited for at least one slow node: two crossings
+    // of at least 50 ms each.
+    let floor = if slow > 1 {
+        Duration::from_millis(100)
+    } else {
+        Duration::ZERO
+    };
+    let (mut shortest, mut longest) = (u128::MAX, 0);
+    for g in &o.grants {
+        assert!(
+            g.valid_until > g.acquired,
+            "{scenario}: a grant came back already expired"
+        );
+        let validity = g.valid_until - g.acquired;
+        assert!(
+            validity <= (ttl - drift - floor).as_nanos(),
+            "{scenario}: a grant came back with {validity} ns of validity, more than the TTL \
+             less the drift and the slow round trip allow"
+        );
+        shortest = shortest.min(validity);
+        longest = longest.max(validity);
+    }
+    println!(
+        "{scenario}: {} grants, validity on return {:.0}-{:.0} ms of a {} ms TTL",
+        o.grants.len(),
+        shortest as f64 / 1e6,
+        longest as f64 / 1e6,
+        ttl.as_millis()
+    );
+    rows.push(row);
+    drop(nodes);
+}
+
+#[cfg(feature = "etcd")]
+/// An etcd holder cut off from every member while the other clients are not.
+async fn etcd_holder_cut(rows: &mut Vec<Row>) {
+    let cluster = EtcdCluster::start(3).unwrap();
+    let ports: Vec<u16> = cluster
+        .endpoints()
+        .iter()
+        .map(|e| e.rsplit(':').next().unwrap().parse().unwrap())
+        .collect();
+    let net = PerWorker::new(&ports);
+    // etcd leases are whole seconds.
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("etcd://{}", n2.addrs_for(id).join(","))
+    }));
+    let n3 = net.clone();
+    run.cut = Some(Arc::new(move |id, on| {
+        let fault = if on { Fault::Blackhole } else { Fault::Pass };
+        n3.set(id, |_| true, fault);
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "300ms".into()];
+    let cycles = if long_form() { 40 } else { 4 };
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("etcd", "holder cut off from the cluster", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert!(
+        row.v.writes_refused > 0,
+        "no cut-off write refused: {:?}",
+        row.v
+    );
+    check_losses(&o, "etcd holder cut off");
+    rows.push(row);
+    drop(cluster);
+}
+
+#[cfg(feature = "etcd")]
+/// The raft leader partitioned from the other members and from every client (its host's link
+/// taken down in a network of the test's own), each time a holder has just been granted a
+/// lock: the others elect a new leader, the holder's client moves to them, and whether its
+/// lease survives the election or not, no stale write is accepted.
+async fn etcd_leader_isolated(rows: &mut Vec<Row>) {
+    let lan =
+        Arc::new(Lan::new(3).expect("the leader-partition row needs root and iproute2 (ip netns)"));
+    let cluster = Arc::new(Mutex::new(EtcdCluster::start_on(lan.clone()).unwrap()));
+    let targets: Vec<SocketAddr> = cluster
+        .lock()
+        .unwrap()
+        .endpoints()
+        .iter()
+        .map(|e| e.parse().unwrap())
+        .collect();
+    let net = PerWorker {
+        targets,
+        netns: Some(lan.hub_path()),
+        proxies: Arc::default(),
+    };
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("etcd://{}", n2.addrs_for(id).join(","))
+    }));
+    let isolated: Arc<Mutex<Option<usize>>> = Arc::default();
+    let (c2, l2, i2) = (cluster.clone(), lan.clone(), isolated.clone());
+    run.cut = Some(Arc::new(move |_, on| {
+        let mut isolated = i2.lock().unwrap();
+        if on && isolated.is_none() {
+            if let Ok(leader) = c2.lock().unwrap().leader() {
+                l2.isolate(leader).unwrap();
+                *isolated = Some(leader);
+            }
+        } else if !on {
+            if let Some(i) = isolated.take() {
+                l2.rejoin(i).unwrap();
+            }
+        }
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "500ms".into()];
+    let cycles = if long_form() { 20 } else { 2 };
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("etcd", "leader isolated (own network)", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    println!(
+        "etcd leader isolated: {} cycles, {} holders lost their lease during the election",
+        row.cycles,
+        o.lost.len()
+    );
+    rows.push(row);
+    // The members go before their network does.
+    drop(cluster);
+    drop(lan);
+}
+
+/// A PostgreSQL holder whose connection goes silent (blackholed: no reset, no close). It
+/// learns of the loss by its renewal deadline; the server, which still sees a healthy TCP
+/// peer (the proxy), ends the silent session after its `idle_session_timeout`, and only then
+/// can another client take the advisory lock.
+async fn pg_holder_cut(rows: &mut Vec<Row>) {
+    let server = PgServer::start().unwrap();
+    let idle = Duration::from_secs(2);
+    let out = server
+        .psql(&format!(
+            "ALTER SYSTEM SET idle_session_timeout = '{}ms'",
+            idle.as_millis()
+        ))
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = server.psql("SELECT pg_reload_conf()").unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let net = PerWorker::new(&[server.port()]);
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    let n2 = net.clone();
+    run.url_for = Some(Arc::new(move |id| {
+        format!("postgres://postgres@{}/postgres", n2.addrs_for(id)[0])
+    }));
+    let n3 = net.clone();
+    run.cut = Some(Arc::new(move |id, on| {
+        let fault = if on { Fault::Blackhole } else { Fault::Pass };
+        n3.set(id, |_| true, fault);
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "300ms".into()];
+    let cycles = if long_form() { 40 } else { 4 };
+    let o = execute(
+        run,
+        Duration::from_secs(120),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("postgres", "holder's connection blackholed", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?} {:?}", row.v, overlaps(&o));
+    assert!(
+        row.v.writes_refused > 0,
+        "no cut-off write refused: {:?}",
+        row.v
+    );
+    check_losses(&o, "postgres holder blackholed");
+    // The successor waited for the server to end the silent session: the idle timeout after
+    // the victim's last renewal, which was at most one TTL before its validity deadline.
+    let mut gaps = Vec::new();
+    for l in &o.lost {
+        let next = o
+            .grants
+            .iter()
+            .filter(|g| g.resource == resource_of(l.worker) && g.token > l.token)
+            .min_by_key(|g| g.token);
+        if let Some(next) = next {
+            let gap = next.acquired.saturating_sub(l.valid_until);
+            assert!(
+                gap + 100_000_000 >= (idle - ttl).as_nanos(),
+                "a successor was granted {gap} ns after the silent holder's validity ended, \
+                 before the server could have ended its session: {next:?} {l:?}"
+            );
+            gaps.push(gap as f64 / 1e6);
+        }
+    }
+    println!("postgres: successor granted {gaps:.0?} ms after the silent holder's validity ended");
+    rows.push(row);
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions() {
+    let mut rows = Vec::new();
+    // FENCELOCK_CHAOS_ONLY=WORD runs only the rows whose function name contains WORD.
+    let only = std::env::var("FENCELOCK_CHAOS_ONLY").unwrap_or_default();
+    let wanted = |row: &str| row.contains(only.as_str());
+    if wanted("masks") {
+        masks(3, &mut rows).await;
+        masks(5, &mut rows).await;
+    }
+    if wanted("holder_cut") {
+        holder_cut(&mut rows).await;
+    }
+    if wanted("flapping") {
+        flapping(&mut rows).await;
+    }
+    if wanted("latency") {
+        latency(1, &mut rows).await;
+        latency(2, &mut rows).await;
+    }
+    if wanted("pg_holder_cut") {
+        pg_holder_cut(&mut rows).await;
+    }
+    #[cfg(feature = "etcd")]
+    if wanted("etcd_holder_cut") {
+        etcd_holder_cut(&mut rows).await;
+    }
+    #[cfg(feature = "etcd")]
+    if wanted("etcd_leader_isolated") {
+        etcd_leader_isolated(&mut rows).await;
+    }
+    print_table(&rows);
+}
