@@ -14,6 +14,7 @@ mod elect;
 mod json;
 mod ops;
 mod run;
+mod serve;
 mod supervise;
 
 /// Exit codes, from sysexits(3) where one fits.
@@ -84,6 +85,8 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
+    /// Serve locks over HTTP to applications in any language, with a dashboard (a sidecar).
+    Serve(serve::ServeArgs),
     /// Test support, not a user command: the lock client that the chaos suite
     /// (`tests/chaos.rs`) starts as separate processes and drives through its ledger.
     /// Hidden from `--help`.
@@ -267,6 +270,7 @@ fn main() -> ExitCode {
             Command::Key { name, backend } => key(&name, &backend).await,
             Command::Doctor(args) => doctor::doctor(args).await,
             Command::Demo(args) => demo::demo(args).await,
+            Command::Serve(args) => serve::serve(args).await,
             Command::ChaosWorker(args) => chaos::worker(args).await,
         }
     });
