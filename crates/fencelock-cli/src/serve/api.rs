@@ -411,6 +411,7 @@ fn json_event(name: &str, data: serde_json::Value) -> Event {
 
 /// A resource name in a query string.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct NameQuery {
     /// Resource name.
     pub name: String,
@@ -465,10 +466,12 @@ pub async fn inspect(
 
 /// A name prefix in a query string.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PrefixQuery {
     /// Only locks whose name starts with this (a plain string). Default: every name this
     /// client may see.
     #[serde(default)]
+    #[param(required = false)]
     pub prefix: String,
 }
 
@@ -497,8 +500,10 @@ pub async fn list(
 
 /// An optional resource name in a query string.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct OptionalName {
     /// Only the records of this resource.
+    #[param(value_type = String, required = false)]
     pub name: Option<String>,
 }
 
