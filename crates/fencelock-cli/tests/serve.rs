@@ -16,9 +16,9 @@ use sidecar::{fencelock_in, next_event, sqlite_url, tempdir, Sidecar};
 
 /// The two races, on one backend: a blocked waiter gets the lock at release with a larger
 /// token; 16 applications never overlap and their tokens increase in grant order.
-fn races(url: &str) {
+fn races(url: &str, extra: &[&str]) {
     let dir = tempdir();
-    let sc = Arc::new(Sidecar::start(dir.path(), url, &[]));
+    let sc = Arc::new(Sidecar::start(dir.path(), url, extra));
 
     // Two applications race for one lock: one wins, the other blocks until it is released.
     let first = sc.acquire("race", 5000, 0);
@@ -94,17 +94,36 @@ fn races(url: &str) {
         assert!(pair[0].1 <= pair[1].0, "two holds overlap: {pair:?}");
         assert!(pair[0].2 < pair[1].2, "tokens not in grant order: {pair:?}");
     }
+
+    // The fence the sidecar was given (memory, or the Redis one) refuses a lower token.
+    let highest = holds[15].2;
+    let (status, ok) = sc.post(
+        "/v1/fence",
+        json!({"resource": "sixteen", "token": highest}),
+    );
+    assert_eq!(status, 200, "{ok}");
+    let (status, stale) = sc.post(
+        "/v1/fence",
+        json!({"resource": "sixteen", "token": holds[0].2}),
+    );
+    assert_eq!(
+        (status, stale["highest"].as_u64()),
+        (409, Some(highest)),
+        "{stale}"
+    );
+    let fence = if extra.is_empty() { "memory" } else { "redis" };
+    assert_eq!(stale["fence"], fence);
 }
 
 #[test]
 fn applications_race_and_wait_on_sqlite() {
-    races(&sqlite_url(tempdir().path()));
+    races(&sqlite_url(tempdir().path()), &[]);
 }
 
 #[test]
 fn applications_race_and_wait_on_redis() {
     let redis = RedisServer::start().unwrap();
-    races(&redis.url());
+    races(&redis.url(), &["--fence", &redis.url()]);
 }
 
 /// How long after the application's death the lock may stay held: one TTL, plus what it
@@ -605,4 +624,120 @@ fn sigterm_reports_shutdown_to_streams_and_releases_every_lease() {
         );
     }
     let _ = quiet;
+}
+
+fn example(name: &str) -> String {
+    format!(
+        "{}/../../examples/sidecar/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn the_python_and_shell_examples_wait_write_stop_on_loss_and_release() {
+    let dir = tempdir();
+    let sc = Sidecar::start(dir.path(), &sqlite_url(dir.path()), &[]);
+    let python = |resource: &str, steps: &str, out: &str| {
+        let mut cmd = fencelock_testkit::BinCommand::new("python3");
+        cmd.args([
+            &example("client.py"),
+            "--sidecar",
+            &sc.base,
+            "--resource",
+            resource,
+            "--steps",
+            steps,
+            "--step-seconds",
+            "0.1",
+            "--ttl-ms",
+            "2000",
+        ])
+        .output_to(
+            dir.path().join(format!("{out}.out")),
+            dir.path().join(format!("{out}.err")),
+        );
+        cmd.spawn().unwrap()
+    };
+    // It waits while the lock is held, and gets it at release with a larger token.
+    let holder = sc.acquire("py", 5000, 0);
+    let mut py = python("py", "3", "py-wait");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!py.stdout().contains("granted"), "{}", py.stdout());
+    sc.release(&holder);
+    let done = py.wait(Duration::from_secs(30)).unwrap();
+    assert_eq!(done.code(), Some(0), "{done:?}");
+    let token: u64 = done
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("granted py token "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(token > holder["token"].as_u64().unwrap(), "{}", done.stdout);
+    assert!(
+        done.stdout.contains("write 2 accepted") && done.stdout.ends_with("released\n"),
+        "{}",
+        done.stdout
+    );
+
+    // It stops its work when the stream reports the lease lost.
+    let mut py = python("py", "1000", "py-lost");
+    assert!(
+        wait_until(Duration::from_secs(20), || py
+            .stdout()
+            .contains("write 1 accepted")),
+        "{}",
+        py.stderr()
+    );
+    let (status, _) = sc.post(
+        "/v1/force-release",
+        json!({"resource": "py", "reason": "test", "holder_is_dead": true}),
+    );
+    assert_eq!(status, 200);
+    let done = py.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(done.code(), Some(3), "{done:?}");
+    assert!(
+        done.stdout
+            .contains("lost: force_released; stopped the work"),
+        "{}",
+        done.stdout
+    );
+
+    // The shell client: the same with keep-alives.
+    let shell = |steps: &str, out: &str| {
+        let mut cmd = fencelock_testkit::BinCommand::new("sh");
+        cmd.args([&example("client.sh"), "sh-lock", steps])
+            .env("SIDECAR", &sc.base)
+            .output_to(
+                dir.path().join(format!("{out}.out")),
+                dir.path().join(format!("{out}.err")),
+            );
+        cmd.spawn().unwrap()
+    };
+    let done = shell("3", "sh-ok").wait(Duration::from_secs(30)).unwrap();
+    assert_eq!(done.code(), Some(0), "{done:?}");
+    assert!(
+        done.stdout.contains("write 2 accepted") && done.stdout.ends_with("released\n"),
+        "{}",
+        done.stdout
+    );
+    let mut sh = shell("1000", "sh-lost");
+    assert!(
+        wait_until(Duration::from_secs(20), || sh
+            .stdout()
+            .contains("write 1 accepted")),
+        "{}",
+        sh.stderr()
+    );
+    sc.post(
+        "/v1/force-release",
+        json!({"resource": "sh-lock", "reason": "test", "holder_is_dead": true}),
+    );
+    let done = sh.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(done.code(), Some(3), "{done:?}");
+    assert!(
+        done.stdout.contains("lost: the lease has ended"),
+        "{}",
+        done.stdout
+    );
 }
