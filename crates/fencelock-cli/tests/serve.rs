@@ -128,7 +128,7 @@ fn applications_race_and_wait_on_redis() {
 
 /// How long after the application's death the lock may stay held: one TTL, plus what it
 /// takes the test to notice (its polling and a loaded machine's scheduling).
-const NOTICE: Duration = Duration::from_millis(250);
+const NOTICE: Duration = Duration::from_millis(400);
 
 #[test]
 fn a_killed_application_loses_its_lock_within_one_ttl() {
@@ -346,6 +346,7 @@ fn bad_input_is_refused_naming_the_field() {
         (json!({"resource": "a", "wait_ms": -1}), "wait_ms"),
         (json!({"ttl_ms": 1000}), "resource"),
         (json!({"resource": "a", "colour": "red"}), "colour"),
+        (json!({"resource": "a", "fair": true}), "fair"),
     ] {
         let (status, err) = sc.post("/v1/acquire", body.clone());
         assert_eq!(status, 400, "{body} -> {err}");
@@ -483,6 +484,18 @@ fn without_an_auth_file_only_loopback_is_served() {
 }
 
 #[test]
+fn a_fence_that_is_not_one_is_refused_as_usage() {
+    let dir = tempdir();
+    let url = sqlite_url(dir.path());
+    let args = ["serve", "--backend", &url, "--fence", "mysql://x"];
+    let out = fencelock_in(dir.path(), "fence", &args)
+        .run(Duration::from_secs(20))
+        .unwrap();
+    assert_eq!(out.code(), Some(64), "{out:?}");
+    assert!(out.stderr.contains("--fence"), "{}", out.stderr);
+}
+
+#[test]
 fn https_with_the_given_certificate() {
     let dir = tempdir();
     let tls = fencelock_testkit::TestTls::generate(&dir.path().join("tls")).unwrap();
@@ -563,6 +576,17 @@ fn the_openapi_document_validates_and_lists_every_route() {
         .map(|(p, m)| (p.to_string(), vec![*m]))
         .collect();
     assert_eq!(paths, expected);
+    let inspect = parsed.paths.paths["/v1/lock"]
+        .as_item()
+        .unwrap()
+        .get
+        .as_ref()
+        .unwrap();
+    let param = inspect.parameters[0].as_item().unwrap();
+    assert!(
+        matches!(param, openapiv3::Parameter::Query { .. }),
+        "{param:?}"
+    );
     // Every documented route is served (a route the server lacks answers 404).
     let lease = sc.acquire("doc", 1000, 0);
     let id = lease["lease_id"].as_str().unwrap();

@@ -181,8 +181,14 @@ pub async fn acquire(
     let lease = match tokio::time::timeout(limit, app.client.acquire(&req.resource, &opts)).await {
         Ok(Ok(lease)) => lease,
         Ok(Err(e)) => {
-            let field = if e.to_string().contains("TTL") {
+            // The library names what it refused in its message; point at the request field.
+            let text = e.to_string();
+            let field = if text.contains("TTL") {
                 "ttl_ms"
+            } else if text.contains("fair") {
+                "fair"
+            } else if text.contains("client name") {
+                "client"
             } else {
                 "resource"
             };

@@ -28,8 +28,13 @@ pub enum Admitted {
 }
 
 impl Fence {
-    /// Opens the fence `spec` names: `memory`, or a Redis or PostgreSQL URL.
-    pub async fn open(spec: &str, prefix: &str, timeout: Duration) -> Result<Fence, String> {
+    /// Opens the fence `spec` names: `memory`, or a Redis or PostgreSQL URL. A refusal says
+    /// whether the spec was wrong ([`ErrorKind::InvalidInput`]) or the fence unreachable.
+    pub async fn open(
+        spec: &str,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<Fence, (ErrorKind, String)> {
         if spec == "memory" {
             return Ok(Fence::Memory(MemoryFence::new()));
         }
@@ -39,14 +44,17 @@ impl Fence {
             "redis" | "rediss" => fencelock::fence::RedisFence::connect(spec, prefix)
                 .await
                 .map(Fence::Redis)
-                .map_err(|e| e.to_string()),
+                .map_err(|e| (e.kind(), e.to_string())),
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
                 let client = fencelock::fence::PgFence::connect(spec, timeout)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| (e.kind(), e.to_string()))?;
                 let fence = fencelock::fence::PgFence::new();
-                fence.install(&client).await.map_err(|e| e.to_string())?;
+                fence
+                    .install(&client)
+                    .await
+                    .map_err(|e| (e.kind(), e.to_string()))?;
                 Ok(Fence::Postgres {
                     fence,
                     client: tokio::sync::Mutex::new(client),
@@ -54,9 +62,12 @@ impl Fence {
             }
             _ => {
                 let _ = (prefix, timeout);
-                Err(format!(
-                    "--fence {}: write memory, redis://host:port or postgres://user@host/db",
-                    fencelock::redact_url(spec)
+                Err((
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "--fence {}: write memory, redis://host:port or postgres://user@host/db",
+                        fencelock::redact_url(spec)
+                    ),
                 ))
             }
         }

@@ -219,9 +219,14 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
     let client = crate::connect(&args.backend, "fencelock-serve").await?;
     let fence = fence::Fence::open(&args.fence, &args.backend.prefix, args.request_timeout)
         .await
-        .map_err(|e| {
+        .map_err(|(kind, e)| {
             eprintln!("fencelock: {e}");
-            anyhow::Error::from(Exit(exit::UNAVAILABLE))
+            let code = if kind == fencelock::ErrorKind::InvalidInput {
+                exit::USAGE
+            } else {
+                exit::UNAVAILABLE
+            };
+            anyhow::Error::from(Exit(code))
         })?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await

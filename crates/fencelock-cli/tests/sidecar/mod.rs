@@ -51,7 +51,9 @@ impl Sidecar {
         let mut base = String::new();
         let up = wait_until(Duration::from_secs(20), || {
             let err = proc.stderr();
-            if let Some(line) = err.lines().find(|l| l.contains(" on http")) {
+            // Only a whole line: the file may be read while the line is being written.
+            let whole = err.rsplit_once('\n').map_or("", |(done, _)| done);
+            if let Some(line) = whole.lines().find(|l| l.contains(" on http")) {
                 let url = line
                     .split(" on ")
                     .nth(1)
