@@ -77,7 +77,8 @@ async fn wait_text(c: &Client, css: &str, limit: Duration, ok: impl Fn(&str) -> 
         // The page refreshes once a second; look a few times per refresh.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("{css}: {last:?} after {limit:?}");
+    assert!(ok(&last), "{css}: {last:?} after {limit:?}");
+    last
 }
 
 async fn screenshot(c: &Client, name: &str) {

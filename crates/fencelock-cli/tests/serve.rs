@@ -534,8 +534,13 @@ fn the_openapi_document_validates_and_lists_every_route() {
     let sc = Sidecar::start(dir.path(), &sqlite_url(dir.path()), &[]);
     let (status, doc) = sc.get("/openapi.json");
     assert_eq!(status, 200);
-    let parsed: openapiv3::OpenAPI = serde_json::from_value(doc.clone())
-        .unwrap_or_else(|e| panic!("not a valid OpenAPI document: {e}\n{doc}"));
+    let parsed = serde_json::from_value::<openapiv3::OpenAPI>(doc.clone());
+    assert!(
+        parsed.is_ok(),
+        "not a valid OpenAPI document: {:?}\n{doc}",
+        parsed.err()
+    );
+    let parsed = parsed.unwrap();
     let mut paths: Vec<(String, Vec<&str>)> = parsed
         .paths
         .iter()

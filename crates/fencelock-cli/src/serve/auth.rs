@@ -52,6 +52,16 @@ struct Entry {
     principal: Principal,
 }
 
+impl std::fmt::Debug for Entry {
+    /// Never the token itself: it is a secret, and debug output ends up in logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry")
+            .field("token", &"<redacted>")
+            .field("principal", &self.principal)
+            .finish()
+    }
+}
+
 /// The parsed auth file, swapped whole on reload.
 pub struct AuthFile {
     path: PathBuf,
@@ -157,6 +167,7 @@ fn parse(text: &str) -> Result<Vec<Entry>, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -88,26 +88,27 @@ fn malformed(message: impl Into<String>) -> Response {
     dapr_error(StatusCode::BAD_REQUEST, "ERR_MALFORMED_REQUEST", message)
 }
 
-fn check(who: &Principal, resource: &str, owner: &str) -> Result<(), Response> {
+/// The refusal of a request Dapr would refuse, or that this client may not make.
+fn refusal(who: &Principal, resource: &str, owner: &str) -> Option<Response> {
     if let Err(e) = fencelock::validate_name(resource) {
-        return Err(malformed(format!("resourceId: {e}")));
+        return Some(malformed(format!("resourceId: {e}")));
     }
     if owner.is_empty() {
-        return Err(malformed("lockOwner is empty"));
+        return Some(malformed("lockOwner is empty"));
     }
     if fencelock::validate_name(owner).is_err() {
-        return Err(malformed(
+        return Some(malformed(
             "lockOwner: 1 to 256 bytes, no control characters",
         ));
     }
     if !who.may(resource) {
-        return Err(dapr_error(
+        return Some(dapr_error(
             StatusCode::FORBIDDEN,
             "ERR_PERMISSION_DENIED",
             format!("this client may not lock {resource:?}"),
         ));
     }
-    Ok(())
+    None
 }
 
 /// Dapr TryLock: one attempt to take `resourceId` for `lockOwner`, held `expiryInSeconds`.
@@ -124,7 +125,7 @@ pub async fn lock(
         Ok(r) => r,
         Err(e) => return malformed(e.body.message),
     };
-    if let Err(r) = check(&who, &req.resource_id, &req.lock_owner) {
+    if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
         return r;
     }
     let Some(secs) = u64::try_from(req.expiry_in_seconds).ok().filter(|s| *s > 0) else {
@@ -203,7 +204,7 @@ pub async fn unlock(
         Ok(r) => r,
         Err(e) => return malformed(e.body.message),
     };
-    if let Err(r) = check(&who, &req.resource_id, &req.lock_owner) {
+    if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
         return r;
     }
     let status = |status| Json(UnlockResponse { status }).into_response();

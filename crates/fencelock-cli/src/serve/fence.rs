@@ -8,6 +8,8 @@ use fencelock::fence::MemoryFence;
 use fencelock::{ErrorKind, FencingToken};
 
 /// Where the highest token per resource is kept.
+// One value for the life of the process: the size of its largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Fence {
     /// In the sidecar's memory: lost when it restarts, so for tests and demos.
     Memory(MemoryFence),

@@ -41,19 +41,20 @@ pub struct ErrorBody {
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub body: ErrorBody,
+    // Boxed: handlers return `Result<_, ApiError>` everywhere, and the Ok side is small.
+    pub body: Box<ErrorBody>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, error: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
-            body: ErrorBody {
+            body: Box::new(ErrorBody {
                 error,
                 message: message.into(),
                 field: None,
                 holder: None,
-            },
+            }),
         }
     }
 
@@ -101,7 +102,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body)).into_response()
+        (self.status, axum::Json(*self.body)).into_response()
     }
 }
 

@@ -95,7 +95,7 @@ impl Sidecar {
     ) -> (u16, Value) {
         let url = self.url(path);
         let auth = token.map(|t| format!("Bearer {t}"));
-        let mut resp = match (method, body) {
+        let resp = match (method, body) {
             ("GET", _) => {
                 let mut r = self.agent.get(&url);
                 if let Some(a) = &auth {
@@ -114,7 +114,13 @@ impl Sidecar {
                 r.send(body.map(|b| b.to_string()).unwrap_or_default())
             }
         }
-        .unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+        .map_err(|e| format!("{method} {url}: {e}"));
+        assert!(
+            resp.is_ok(),
+            "{}",
+            resp.as_ref().err().cloned().unwrap_or_default()
+        );
+        let mut resp = resp.unwrap();
         let status = resp.status().as_u16();
         let text = resp.body_mut().read_to_string().unwrap_or_default();
         (status, serde_json::from_str(&text).unwrap_or(Value::Null))
@@ -190,10 +196,15 @@ pub fn next_event(events: &mpsc::Receiver<(String, Value)>, name: &str, limit: D
     let deadline = Instant::now() + limit;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match events.recv_timeout(left) {
-            Ok((n, data)) if n == name => return data,
-            Ok(_) => continue,
-            Err(e) => panic!("no {name:?} event within {limit:?}: {e}"),
+        let got = events.recv_timeout(left);
+        assert!(
+            got.is_ok(),
+            "no {name:?} event within {limit:?}: {:?}",
+            got.err()
+        );
+        let (n, data) = got.unwrap();
+        if n == name {
+            return data;
         }
     }
 }
