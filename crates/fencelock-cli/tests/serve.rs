@@ -420,6 +420,11 @@ fn tokens_map_to_prefixes_and_the_file_is_reread_on_sighup() {
         lease["client"], "billing",
         "the token's client name is recorded"
     );
+    let (_, lock) = sc.call_as(Some(billing), "GET", "/v1/lock?name=billing/run", None);
+    assert_eq!(
+        lock["holder"]["client"], "billing",
+        "and the engine has it: {lock}"
+    );
     assert_eq!(acquire(Some(ops), "jobs/run").0, 200);
     let (_, seen) = sc.call_as(Some(billing), "GET", "/v1/locks", None);
     let names: Vec<&str> = seen
@@ -769,4 +774,30 @@ fn the_python_and_shell_examples_wait_write_stop_on_loss_and_release() {
         "{}",
         done.stdout
     );
+}
+
+#[test]
+fn the_fence_endpoint_on_postgres_and_locks_on_postgres() {
+    let pg = fencelock_testkit::PgServer::start().unwrap();
+    let dir = tempdir();
+    let sc = Sidecar::start(dir.path(), &pg.url(), &["--fence", &pg.url()]);
+    let first = sc.acquire("pg-ledger", 2000, 0);
+    sc.release(&first);
+    let second = sc.acquire("pg-ledger", 2000, 0);
+    let (t1, t2) = (
+        first["token"].as_u64().unwrap(),
+        second["token"].as_u64().unwrap(),
+    );
+    assert!(t2 > t1);
+    let (status, ok) = sc.post("/v1/fence", json!({"resource": "pg-ledger", "token": t2}));
+    assert_eq!((status, &ok["fence"]), (200, &json!("postgres")), "{ok}");
+    let (status, stale) = sc.post("/v1/fence", json!({"resource": "pg-ledger", "token": t1}));
+    assert_eq!(status, 409, "{stale}");
+    assert_eq!(
+        (stale["token"].as_u64(), stale["highest"].as_u64()),
+        (Some(t1), Some(t2))
+    );
+    // The fence's table is the library's PgFence one, readable with psql.
+    let out = pg.psql("select count(*) from fencelock_fence").unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1", "{out:?}");
 }

@@ -227,6 +227,22 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn a_lease_client_name_is_checked_like_a_resource_name() {
+        let cap = Duration::from_secs(3600);
+        let ok = LockOptions::default().client_name("billing-worker");
+        assert_eq!(ok.client_name_value(), Some("billing-worker"));
+        assert!(ok.validate(cap).is_ok());
+        for bad in ["", "a\nb", &"x".repeat(257)] {
+            let e = LockOptions::default().client_name(bad).validate(cap);
+            assert_eq!(
+                e.unwrap_err().kind(),
+                crate::ErrorKind::InvalidInput,
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn redlock_spec_figures() {
         let ttl = Duration::from_secs(10);
         assert_eq!(drift(ttl), Duration::from_millis(102));
