@@ -525,6 +525,33 @@ fn https_with_the_given_certificate() {
         .run(Duration::from_secs(20))
         .unwrap();
     assert!(out.stdout.contains("\"status\":\"ok\""), "{out:?}");
+    // A broken key file is refused, without a line of it in the message.
+    let bad = dir.path().join("bad.key");
+    std::fs::write(
+        &bad,
+        "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWtleS1tYXRlcmlhbA%%\n",
+    )
+    .unwrap();
+    let url = sqlite_url(dir.path());
+    let cert = tls.server_cert.to_str().unwrap();
+    let args = [
+        "serve",
+        "--backend",
+        &url,
+        "--tls-cert",
+        cert,
+        "--tls-key",
+        bad.to_str().unwrap(),
+    ];
+    let out = fencelock_in(dir.path(), "badkey", &args)
+        .run(Duration::from_secs(20))
+        .unwrap();
+    assert_eq!(out.code(), Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("--tls-key") && !out.stderr.contains("c2VjcmV0"),
+        "{}",
+        out.stderr
+    );
     // Plain HTTP on the TLS port gets no answer.
     let plain = fencelock_testkit::BinCommand::new("curl")
         .args(["-sS", "-m", "5", &format!("{}/healthz", sc.base)])

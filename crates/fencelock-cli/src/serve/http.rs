@@ -271,7 +271,7 @@ pub mod tls {
     pub fn config(cert: &Path, key: &Path) -> Result<rustls::ServerConfig, String> {
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
             .and_then(|i| i.collect::<Result<_, _>>())
-            .map_err(|e| format!("--tls-cert {}: {e}", cert.display()))?;
+            .map_err(|e| pem_error("--tls-cert", cert, "certificates", e))?;
         if certs.is_empty() {
             return Err(format!(
                 "--tls-cert {}: no certificate in the file",
@@ -279,7 +279,7 @@ pub mod tls {
             ));
         }
         let key = PrivateKeyDer::from_pem_file(key)
-            .map_err(|e| format!("--tls-key {}: {e}", key.display()))?;
+            .map_err(|e| pem_error("--tls-key", key, "a private key", e))?;
         rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -288,6 +288,23 @@ pub mod tls {
         .with_no_client_auth()
         .with_single_cert(certs, key)
         .map_err(|e| format!("--tls-cert/--tls-key: {e}"))
+    }
+
+    /// The file's problem without its contents: a PEM parser's error can quote a line of a
+    /// key file, which must never reach a log.
+    fn pem_error(
+        option: &str,
+        path: &Path,
+        what: &str,
+        e: rustls::pki_types::pem::Error,
+    ) -> String {
+        match e {
+            rustls::pki_types::pem::Error::Io(io) => format!("{option} {}: {io}", path.display()),
+            _ => format!(
+                "{option} {}: cannot read {what} in PEM form from it",
+                path.display()
+            ),
+        }
     }
 
     pub struct TlsListener {
