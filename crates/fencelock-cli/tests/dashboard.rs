@@ -92,7 +92,13 @@ async fn screenshot(c: &Client, name: &str) {
 fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
     let dir = tempdir();
     let url = sqlite_url(dir.path());
-    let sc = Sidecar::start(dir.path(), &url, &[]);
+    // With an auth file, as in production: the page asks for a token.
+    let token = "ops-token-0123456789abcdef0123";
+    let auth = dir.path().join("auth");
+    std::fs::write(&auth, format!("{token} ops *\n")).unwrap();
+    let sc = Sidecar::start(dir.path(), &url, &["--auth-file", auth.to_str().unwrap()])
+        .with_token(token);
+    let bearer = format!("Authorization: Bearer {token}");
     let (_driver, port) = chromedriver(dir.path());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -103,19 +109,40 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
 
         // An application (curl holding the event stream) holds a lock.
         let lease = sc.acquire("nightly-invoices", 1500, 0);
-        let token = lease["token"].as_u64().unwrap().to_string();
+        let fencing = lease["token"].as_u64().unwrap().to_string();
         let mut curl = BinCommand::new("curl");
-        curl.args(["-sN", &sc.url(lease["events"].as_str().unwrap())])
-            .output_to(dir.path().join("app.out"), dir.path().join("app.err"));
+        curl.args([
+            "-sN",
+            "-H",
+            &bearer,
+            &sc.url(lease["events"].as_str().unwrap()),
+        ])
+        .output_to(dir.path().join("app.out"), dir.path().join("app.err"));
         let app = curl.spawn().unwrap();
         assert!(wait_until(Duration::from_secs(10), || app
             .stdout()
             .contains("granted")));
 
         c.goto(&sc.url("/")).await.unwrap();
+        let field = c
+            .wait()
+            .for_element(Locator::Id("auth-token"))
+            .await
+            .unwrap();
+        wait_text(&c, "#auth", Duration::from_secs(5), |t| {
+            t.contains("bearer token")
+        })
+        .await;
+        field.send_keys(token).await.unwrap();
+        c.find(Locator::Css("#auth-form button"))
+            .await
+            .unwrap()
+            .click()
+            .await
+            .unwrap();
         let row = "tr[data-resource='nightly-invoices']";
         wait_text(&c, &format!("{row} .token"), Duration::from_secs(10), |t| {
-            t == token
+            t == fencing
         })
         .await;
         assert_eq!(
@@ -134,7 +161,7 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
             .await
             .unwrap();
         wait_text(&c, "#detail", Duration::from_secs(5), |t| {
-            t.contains(&token) && t.contains("stream")
+            t.contains(&fencing) && t.contains("stream")
         })
         .await;
 
@@ -256,12 +283,12 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
         c.set_window_size(390, 844).await.unwrap();
         let phone = sc.acquire("phone-check", 30_000, 0);
         c.goto(&sc.url("/")).await.unwrap();
-        let token = phone["token"].as_u64().unwrap().to_string();
+        let fencing = phone["token"].as_u64().unwrap().to_string();
         wait_text(
             &c,
             "tr[data-resource='phone-check'] .token",
             Duration::from_secs(5),
-            |t| t == token,
+            |t| t == fencing,
         )
         .await;
         wait_text(
