@@ -19,6 +19,7 @@ mod json;
 mod limits;
 mod ops;
 mod run;
+mod serve;
 mod supervise;
 
 /// Exit codes, from sysexits(3) where one fits.
@@ -104,6 +105,8 @@ enum Command {
     Limits(limits::LimitsArgs),
     /// The nightly-invoice story: a stalled holder is made harmless by a fenced ledger.
     Demo(demo::DemoArgs),
+    /// Serve locks over HTTP to applications in any language, with a dashboard (a sidecar).
+    Serve(serve::ServeArgs),
     /// Test support, not a user command: the lock client that the chaos suite
     /// (`tests/chaos.rs`) starts as separate processes and drives through its ledger.
     /// Hidden from `--help`.
@@ -295,6 +298,7 @@ fn main() -> ExitCode {
             Command::Acl(args) => acl::acl(args).await,
             Command::Limits(args) => limits::limits(args).await,
             Command::Demo(args) => demo::demo(args).await,
+            Command::Serve(args) => serve::serve(args).await,
             Command::ChaosWorker(args) => chaos::worker(args).await,
         }
     });

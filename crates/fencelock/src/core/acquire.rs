@@ -148,7 +148,13 @@ impl Client {
                     client: value.to_owned(),
                     ..inner.meta.clone()
                 },
-                None => inner.meta.clone(),
+                None => match opts.client_name_value() {
+                    Some(client) => HolderMeta {
+                        client: client.to_owned(),
+                        ..inner.meta.clone()
+                    },
+                    None => inner.meta.clone(),
+                },
             },
         };
         let mut pending = Pending {

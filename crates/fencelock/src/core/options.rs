@@ -37,6 +37,7 @@ pub struct LockOptions {
     retry_max: Duration,
     auto_renew: bool,
     fair: bool,
+    client_name: Option<String>,
 }
 
 impl Default for LockOptions {
@@ -50,6 +51,7 @@ impl Default for LockOptions {
             retry_max: Duration::from_millis(250),
             auto_renew: true,
             fair: false,
+            client_name: None,
         }
     }
 }
@@ -91,6 +93,19 @@ impl LockOptions {
         self
     }
 
+    /// The client name recorded with this lease (shown by `inspect`), instead of the client's
+    /// own ([`ClientBuilder::client_name`](crate::ClientBuilder::client_name)): for a process
+    /// that takes locks on behalf of others, such as the sidecar. Checked like a resource name.
+    pub fn client_name(mut self, name: impl Into<String>) -> LockOptions {
+        self.client_name = Some(name.into());
+        self
+    }
+
+    /// The client name set with [`LockOptions::client_name`], if any.
+    pub fn client_name_value(&self) -> Option<&str> {
+        self.client_name.as_deref()
+    }
+
     /// Whether FIFO mode is on.
     pub fn fair_value(&self) -> bool {
         self.fair
@@ -116,6 +131,17 @@ impl LockOptions {
     }
 
     pub(crate) fn validate(&self, max_ttl: Duration) -> Result<()> {
+        if let Some(name) = &self.client_name {
+            if name.is_empty()
+                || name.len() > crate::core::name::MAX_NAME_BYTES
+                || name.chars().any(char::is_control)
+            {
+                return Err(Error::invalid(format!(
+                    "the client name {name:?} must be 1 to {} bytes without control characters",
+                    crate::core::name::MAX_NAME_BYTES
+                )));
+            }
+        }
         if self.ttl < MIN_TTL {
             return Err(Error::invalid(format!(
                 "TTL {} is too short; the minimum is {}",
@@ -199,6 +225,22 @@ pub fn display_duration(d: Duration) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_lease_client_name_is_checked_like_a_resource_name() {
+        let cap = Duration::from_secs(3600);
+        let ok = LockOptions::default().client_name("billing-worker");
+        assert_eq!(ok.client_name_value(), Some("billing-worker"));
+        assert!(ok.validate(cap).is_ok());
+        for bad in ["", "a\nb", &"x".repeat(257)] {
+            let e = LockOptions::default().client_name(bad).validate(cap);
+            assert_eq!(
+                e.unwrap_err().kind(),
+                crate::ErrorKind::InvalidInput,
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn redlock_spec_figures() {

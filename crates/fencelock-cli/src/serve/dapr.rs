@@ -1,0 +1,234 @@
+//! Dapr's distributed lock API (alpha), so that an application written against it works
+//! unchanged: `POST /v1.0-alpha1/lock/{store}` and `POST /v1.0-alpha1/unlock/{store}`, with
+//! Dapr's request and response bodies, plus the fencing token as an extra field.
+//!
+//! As in Dapr, the lock is one attempt (no waiting), identified by the application's own
+//! `lockOwner`, held for `expiryInSeconds` without renewal. The store name is accepted
+//! whatever it is; `resourceId` is the fencelock resource name, so the same lock can be taken
+//! with the CLI or the native API.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use fencelock::{ErrorKind, LockOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+use utoipa::ToSchema;
+
+use super::auth::Principal;
+use super::http::parse_json;
+use super::leases::{Cmd, Grant, Mode};
+use super::AppState;
+
+pub const TAG: &str = "dapr";
+
+/// Dapr's lock request.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TryLockRequest {
+    /// The resource to lock.
+    pub resource_id: String,
+    /// The owner's name; unique per request, and needed to unlock.
+    pub lock_owner: String,
+    /// How long the lock is held before it expires, in seconds.
+    pub expiry_in_seconds: i64,
+}
+
+/// Dapr's lock response, plus the fencing token.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TryLockResponse {
+    /// Whether the lock was acquired.
+    pub success: bool,
+    /// fencelock's addition: the grant's fencing token, when `success`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u64, required = false)]
+    pub fencing_token: Option<u64>,
+}
+
+/// Dapr's unlock request.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UnlockRequest {
+    pub resource_id: String,
+    pub lock_owner: String,
+}
+
+/// Dapr's unlock response: `status` 0 success, 1 the lock does not exist, 2 the lock belongs
+/// to another owner, 3 internal error.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UnlockResponse {
+    pub status: u8,
+}
+
+/// Dapr's error body.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DaprError {
+    pub error_code: &'static str,
+    pub message: String,
+}
+
+fn dapr_error(status: StatusCode, code: &'static str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(DaprError {
+            error_code: code,
+            message: message.into(),
+        }),
+    )
+        .into_response()
+}
+
+fn malformed(message: impl Into<String>) -> Response {
+    dapr_error(StatusCode::BAD_REQUEST, "ERR_MALFORMED_REQUEST", message)
+}
+
+/// The refusal of a request Dapr would refuse, or that this client may not make.
+fn refusal(who: &Principal, resource: &str, owner: &str) -> Option<Response> {
+    if let Err(e) = fencelock::validate_name(resource) {
+        return Some(malformed(format!("resourceId: {e}")));
+    }
+    if owner.is_empty() {
+        return Some(malformed("lockOwner is empty"));
+    }
+    if fencelock::validate_name(owner).is_err() {
+        return Some(malformed(
+            "lockOwner: 1 to 256 bytes, no control characters",
+        ));
+    }
+    if !who.may(resource) {
+        return Some(dapr_error(
+            StatusCode::FORBIDDEN,
+            "ERR_PERMISSION_DENIED",
+            format!("this client may not lock {resource:?}"),
+        ));
+    }
+    None
+}
+
+/// Dapr TryLock: one attempt to take `resourceId` for `lockOwner`, held `expiryInSeconds`.
+#[utoipa::path(post, path = "/v1.0-alpha1/lock/{store}", tag = TAG, request_body = TryLockRequest,
+    params(("store" = String, Path, description = "The lock store's name (any)")),
+    responses((status = 200, body = TryLockResponse), (status = 400, body = DaprError), (status = 403, body = DaprError), (status = 500, body = DaprError)))]
+pub async fn lock(
+    State(app): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
+    Path(_store): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: TryLockRequest = match parse_json(&body) {
+        Ok(r) => r,
+        Err(e) => return malformed(e.body.message),
+    };
+    if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
+        return r;
+    }
+    let Some(secs) = u64::try_from(req.expiry_in_seconds).ok().filter(|s| *s > 0) else {
+        return malformed("expiryInSeconds must be a positive number of seconds");
+    };
+    // One owner name takes the lock once, as in Dapr.
+    if app.registry.on_resource(&req.resource_id).iter().any(|h| {
+        h.mode
+            == (Mode::Dapr {
+                lock_owner: req.lock_owner.clone(),
+            })
+    }) {
+        return Json(TryLockResponse {
+            success: false,
+            fencing_token: None,
+        })
+        .into_response();
+    }
+    let client = if who.client.is_empty() {
+        req.lock_owner.clone()
+    } else {
+        who.client.clone()
+    };
+    let opts = LockOptions::default()
+        .ttl(Duration::from_secs(secs))
+        .auto_renew(false)
+        .client_name(client.clone());
+    match app.client.try_acquire(&req.resource_id, &opts).await {
+        Ok(lease) => {
+            let token = lease.token().get();
+            let grant = Grant {
+                client,
+                principal: who.client.clone(),
+                mode: Mode::Dapr {
+                    lock_owner: req.lock_owner,
+                },
+            };
+            match app.registry.adopt(lease, grant).await {
+                Some(_) => Json(TryLockResponse {
+                    success: true,
+                    fencing_token: Some(token),
+                })
+                .into_response(),
+                None => dapr_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "ERR_TRY_LOCK",
+                    "the sidecar is shutting down",
+                ),
+            }
+        }
+        Err(e) if e.kind() == ErrorKind::HeldByAnother => Json(TryLockResponse {
+            success: false,
+            fencing_token: None,
+        })
+        .into_response(),
+        Err(e) if e.kind() == ErrorKind::InvalidInput => malformed(e.to_string()),
+        Err(e) => dapr_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "ERR_TRY_LOCK",
+            e.to_string(),
+        ),
+    }
+}
+
+/// Dapr Unlock: releases `resourceId` if `lockOwner` holds it.
+#[utoipa::path(post, path = "/v1.0-alpha1/unlock/{store}", tag = TAG, request_body = UnlockRequest,
+    params(("store" = String, Path, description = "The lock store's name (any)")),
+    responses((status = 200, body = UnlockResponse), (status = 400, body = DaprError), (status = 403, body = DaprError)))]
+pub async fn unlock(
+    State(app): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
+    Path(_store): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: UnlockRequest = match parse_json(&body) {
+        Ok(r) => r,
+        Err(e) => return malformed(e.body.message),
+    };
+    if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
+        return r;
+    }
+    let status = |status| Json(UnlockResponse { status }).into_response();
+    let mine = Mode::Dapr {
+        lock_owner: req.lock_owner.clone(),
+    };
+    if let Some(held) = app
+        .registry
+        .on_resource(&req.resource_id)
+        .into_iter()
+        .find(|h| h.mode == mine && h.principal == who.client)
+    {
+        let (tx, rx) = oneshot::channel();
+        if held.send(Cmd::Release(tx)).await {
+            return match rx.await {
+                Ok(Ok(())) => status(0),
+                Ok(Err(e)) if e.kind() == ErrorKind::NotHolder => status(1),
+                _ => status(3),
+            };
+        }
+    }
+    match app.client.inspect(&req.resource_id).await {
+        Ok(None) => status(1),
+        Ok(Some(_)) => status(2),
+        Err(_) => status(3),
+    }
+}

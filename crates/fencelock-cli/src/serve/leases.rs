@@ -1,0 +1,345 @@
+//! The leases the sidecar holds for applications, and the keeper task of each.
+//!
+//! The library's watchdog renews every lease (batched, one task per client). What the sidecar
+//! adds is the application's side of the bargain: a lease lives only while its application
+//! shows it is alive, by an open event stream or by keep-alives. The keeper of a lease
+//! releases it (owner-checked) the moment the application's deadline passes with no stream
+//! open: the latest keep-alive (the grant counts as one) plus the TTL. A crashed application's
+//! stream is closed by its kernel, noticed at the stream's next heartbeat write, so its lock
+//! is gone within one TTL of the crash, and a healthy sidecar never keeps it.
+//!
+//! Dapr-style leases ([`Mode::Dapr`]) are not renewed at all: Dapr's lock is held for
+//! `expiryInSeconds` and then expires, which the library reports as a loss.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use fencelock::{FencingToken, Lease};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::time::Instant;
+
+/// How a lease's application proves it is alive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    /// An event stream or keep-alives; renewed by the watchdog while either holds.
+    App,
+    /// Dapr's API: held for its TTL without renewal, released by `lockOwner`.
+    Dapr { lock_owner: String },
+}
+
+/// Why a lease ended, as the event stream reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    /// A short code: `released`, `expired`, `not_holder`, `force_released`,
+    /// `application_gone`, `shutdown`.
+    pub reason: &'static str,
+    /// One sentence for people.
+    pub message: String,
+}
+
+/// What an event stream shows: the lease's current state.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Confirmed renewals so far; a stream reports `renewed` when it grows.
+    pub renewals: u64,
+    /// Time left in the validity window at the last change.
+    pub valid_for: Duration,
+    /// When the lease was last renewed (or granted), wall clock.
+    pub renewed_at: SystemTime,
+    /// Set once the lease has ended; the stream reports `lost` and closes.
+    pub ended: Option<Ended>,
+}
+
+/// Requests to a lease's keeper, which owns the [`Lease`].
+pub enum Cmd {
+    /// Owner-checked release; answers with the library's outcome.
+    Release(ReleaseReply),
+    /// Owner-checked extension now.
+    Extend(oneshot::Sender<fencelock::Result<Duration>>),
+    /// The lock was force-released through this sidecar: report the loss at once.
+    Forced(String),
+    /// The sidecar is stopping: report `shutdown`, release.
+    Shutdown,
+}
+
+/// One lease held for an application: what handlers read, and the channel to its keeper.
+pub struct Held {
+    pub id: String,
+    pub resource: String,
+    pub owner: String,
+    pub token: FencingToken,
+    pub ttl: Duration,
+    pub client: String,
+    /// The bearer token's client name that acquired it (`""` without an auth file).
+    pub principal: String,
+    pub mode: Mode,
+    pub granted_at: SystemTime,
+    cmds: mpsc::Sender<Cmd>,
+    state: watch::Sender<Snapshot>,
+    streams: AtomicUsize,
+    last_keepalive: Mutex<Instant>,
+    liveness: Notify,
+}
+
+impl Held {
+    /// Sends a command to the keeper; `false` when the keeper has already finished.
+    pub async fn send(&self, cmd: Cmd) -> bool {
+        self.cmds.send(cmd).await.is_ok()
+    }
+
+    /// Watches the lease's state, for an event stream.
+    pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
+        self.state.subscribe()
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        self.state.borrow().clone()
+    }
+
+    /// The application showed it is alive.
+    pub fn keepalive(&self) {
+        *self
+            .last_keepalive
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        self.liveness.notify_one();
+    }
+
+    /// An event stream opened; the guard counts it until dropped.
+    pub fn stream_opened(self: &Arc<Self>) -> StreamGuard {
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        self.liveness.notify_one();
+        StreamGuard { held: self.clone() }
+    }
+
+    pub fn streams(&self) -> usize {
+        self.streams.load(Ordering::SeqCst)
+    }
+
+    /// When the application must next show it is alive, unless a stream is open.
+    pub fn app_deadline(&self) -> Instant {
+        *self
+            .last_keepalive
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            + self.ttl
+    }
+}
+
+/// Counts one open event stream; dropping it (the connection closed) may end the lease.
+pub struct StreamGuard {
+    held: Arc<Held>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.held.streams.fetch_sub(1, Ordering::SeqCst);
+        self.held.liveness.notify_one();
+    }
+}
+
+/// Every lease the sidecar holds, by lease id.
+#[derive(Default)]
+pub struct Registry {
+    leases: Mutex<HashMap<String, Arc<Held>>>,
+    closing: AtomicBool,
+    /// Signalled when the last keeper has finished, for the shutdown.
+    emptied: Notify,
+}
+
+/// What the handler that acquired a lease tells the registry about it.
+pub struct Grant {
+    pub client: String,
+    pub principal: String,
+    pub mode: Mode,
+}
+
+impl Registry {
+    /// Takes `lease` into the sidecar's care and starts its keeper. `None` when the sidecar
+    /// is shutting down: the lease is released before returning.
+    pub async fn adopt(self: &Arc<Self>, lease: Lease, grant: Grant) -> Option<Arc<Held>> {
+        if self.closing.load(Ordering::SeqCst) {
+            let _ = lease.release().await;
+            return None;
+        }
+        let (cmds, rx) = mpsc::channel(8);
+        let (state, _) = watch::channel(Snapshot {
+            renewals: 0,
+            valid_for: lease.time_left(),
+            renewed_at: SystemTime::now(),
+            ended: None,
+        });
+        let held = Arc::new(Held {
+            // Lease ids are capabilities (they release and extend): 128 random bits, like owners.
+            id: format!("{:032x}", rand::random::<u128>()),
+            resource: lease.resource().to_owned(),
+            owner: lease.owner().to_owned(),
+            token: lease.token(),
+            ttl: lease.ttl(),
+            client: grant.client,
+            principal: grant.principal,
+            mode: grant.mode,
+            granted_at: SystemTime::now(),
+            cmds,
+            state,
+            streams: AtomicUsize::new(0),
+            last_keepalive: Mutex::new(Instant::now()),
+            liveness: Notify::new(),
+        });
+        self.map().insert(held.id.clone(), held.clone());
+        tokio::spawn(keep(self.clone(), held.clone(), lease, rx));
+        Some(held)
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Held>>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Held>> {
+        self.map().get(id).cloned()
+    }
+
+    /// The leases held on `resource`.
+    pub fn on_resource(&self, resource: &str) -> Vec<Arc<Held>> {
+        self.map()
+            .values()
+            .filter(|h| h.resource == resource)
+            .cloned()
+            .collect()
+    }
+
+    pub fn all(&self) -> Vec<Arc<Held>> {
+        self.map().values().cloned().collect()
+    }
+
+    fn remove(&self, id: &str) {
+        let mut map = self.map();
+        map.remove(id);
+        if map.is_empty() {
+            self.emptied.notify_waiters();
+        }
+    }
+
+    /// Refuses new leases, tells every keeper to report `shutdown` and release, and waits
+    /// (up to `limit`) until all have.
+    pub async fn shut_down(&self, limit: Duration) {
+        self.closing.store(true, Ordering::SeqCst);
+        let all = self.all();
+        for held in &all {
+            held.send(Cmd::Shutdown).await;
+        }
+        let _ = tokio::time::timeout(limit, async {
+            loop {
+                let emptied = self.emptied.notified();
+                if self.map().is_empty() {
+                    return;
+                }
+                emptied.await;
+            }
+        })
+        .await;
+    }
+}
+
+/// The keeper: owns the lease until it ends, reports its renewals and its end, and releases
+/// it when its application stops showing it is alive.
+async fn keep(
+    registry: Arc<Registry>,
+    held: Arc<Held>,
+    lease: Lease,
+    mut cmds: mpsc::Receiver<Cmd>,
+) {
+    let (ended, reply) = watch_lease(&held, &lease, &mut cmds).await;
+    let ended = if matches!(ended.reason, "application_gone" | "shutdown" | "released") {
+        // Reported before the release call returns: streams learn at once that the lease
+        // must no longer be relied on.
+        held.state.send_modify(|s| s.ended = Some(ended.clone()));
+        let outcome = lease.release().await;
+        let ended = match &outcome {
+            Ok(()) => ended,
+            Err(e) => Ended {
+                reason: ended.reason,
+                message: format!("{}; the release failed ({e})", ended.message),
+            },
+        };
+        if let Some(reply) = reply {
+            let _ = reply.send(outcome);
+        }
+        ended
+    } else {
+        drop(lease);
+        ended
+    };
+    tracing::info!(resource = %held.resource, token = %held.token, reason = ended.reason, "sidecar lease ended");
+    held.state.send_modify(|s| s.ended = Some(ended));
+    registry.remove(&held.id);
+}
+
+type ReleaseReply = oneshot::Sender<fencelock::Result<()>>;
+
+async fn watch_lease(
+    held: &Held,
+    lease: &Lease,
+    cmds: &mut mpsc::Receiver<Cmd>,
+) -> (Ended, Option<ReleaseReply>) {
+    // No engine call here: the watchdog renews; this only looks at the validity window.
+    let tick = (held.ttl / 6).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    let mut valid_until = lease.valid_until();
+    loop {
+        let app_check = held.mode == Mode::App && held.streams() == 0;
+        let deadline = held.app_deadline();
+        tokio::select! {
+            lost = lease.run(std::future::pending::<()>()) => {
+                let message = lost.err().map(|e| e.to_string()).unwrap_or_default();
+                let reason = if message.contains("no longer lists this owner") {
+                    "not_holder"
+                } else {
+                    "expired"
+                };
+                return (Ended { reason, message }, None);
+            }
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Release(reply)) => {
+                    let ended = Ended { reason: "released", message: "released by the application".into() };
+                    return (ended, Some(reply));
+                }
+                Some(Cmd::Extend(reply)) => {
+                    let out = lease.extend().await.map(|()| lease.time_left());
+                    let _ = reply.send(out);
+                }
+                Some(Cmd::Forced(why)) => {
+                    return (Ended { reason: "force_released", message: why }, None);
+                }
+                Some(Cmd::Shutdown) | None => {
+                    let ended = Ended { reason: "shutdown", message: "the sidecar is shutting down".into() };
+                    return (ended, None);
+                }
+            },
+            _ = tokio::time::sleep_until(deadline), if app_check => {
+                if held.streams() == 0 && Instant::now() >= held.app_deadline() {
+                    let ended = Ended {
+                        reason: "application_gone",
+                        message: format!(
+                            "no event stream open and no keep-alive within the TTL ({}); released",
+                            crate::human_duration(held.ttl)
+                        ),
+                    };
+                    return (ended, None);
+                }
+            }
+            _ = held.liveness.notified() => {}
+            _ = tokio::time::sleep(tick) => {}
+        }
+        let now_until = lease.valid_until();
+        if now_until > valid_until {
+            valid_until = now_until;
+            held.state.send_modify(|s| {
+                s.renewals += 1;
+                s.valid_for = lease.time_left();
+                s.renewed_at = SystemTime::now();
+            });
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Helpers for the sidecar tests: a real `fencelock serve` process on a free port, and a
+//! small HTTP client (JSON requests, an event-stream reader in a thread).
+// Each test binary uses part of this module.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use fencelock_testkit::{wait_until, BinCommand, Proc};
+use serde_json::Value;
+
+/// A running `fencelock serve`.
+pub struct Sidecar {
+    pub proc: Proc,
+    pub base: String,
+    pub token: Option<String>,
+    agent: ureq::Agent,
+}
+
+/// `fencelock ARGS` with a clean environment, output into `dir/NAME.{out,err}`.
+pub fn fencelock_in(dir: &Path, name: &str, args: &[&str]) -> BinCommand {
+    let mut cmd = BinCommand::new(env!("CARGO_BIN_EXE_fencelock"));
+    cmd.args(args)
+        .current_dir(dir)
+        .env("XDG_STATE_HOME", dir.join("state"))
+        .output_to(
+            dir.join(format!("{name}.out")),
+            dir.join(format!("{name}.err")),
+        );
+    cmd
+}
+
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+impl Sidecar {
+    /// Starts `fencelock serve --backend URL --listen 127.0.0.1:0 EXTRA...` and waits until it
+    /// says where it listens.
+    pub fn start(dir: &Path, url: &str, extra: &[&str]) -> Sidecar {
+        let mut args = vec!["serve", "--backend", url, "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let name = format!("serve-{}", fencelock_testkit::free_port());
+        let proc = fencelock_in(dir, &name, &args).spawn().unwrap();
+        let mut base = String::new();
+        let up = wait_until(Duration::from_secs(20), || {
+            let err = proc.stderr();
+            // Only a whole line: the file may be read while the line is being written.
+            let whole = err.rsplit_once('\n').map_or("", |(done, _)| done);
+            if let Some(line) = whole.lines().find(|l| l.contains(" on http")) {
+                let url = line
+                    .split(" on ")
+                    .nth(1)
+                    .unwrap_or("")
+                    .split(' ')
+                    .next()
+                    .unwrap_or("");
+                base = url.trim_end_matches('/').to_owned();
+                return true;
+            }
+            false
+        });
+        assert!(up, "fencelock serve did not start: {}", proc.stderr());
+        Sidecar {
+            proc,
+            base,
+            token: None,
+            agent: agent(),
+        }
+    }
+
+    pub fn with_token(mut self, token: &str) -> Sidecar {
+        self.token = Some(token.to_owned());
+        self
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `METHOD path` with an optional JSON body; returns the status and the JSON answer
+    /// (`Value::Null` when the body is not JSON).
+    pub fn call_as(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let url = self.url(path);
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let resp = match (method, body) {
+            ("GET", _) => {
+                let mut r = self.agent.get(&url);
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.call()
+            }
+            (_, body) => {
+                let mut r = self
+                    .agent
+                    .post(&url)
+                    .header("Content-Type", "application/json");
+                if let Some(a) = &auth {
+                    r = r.header("Authorization", a);
+                }
+                r.send(body.map(|b| b.to_string()).unwrap_or_default())
+            }
+        }
+        .map_err(|e| format!("{method} {url}: {e}"));
+        assert!(
+            resp.is_ok(),
+            "{}",
+            resp.as_ref().err().cloned().unwrap_or_default()
+        );
+        let mut resp = resp.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.body_mut().read_to_string().unwrap_or_default();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Value) {
+        self.call_as(self.token.as_deref(), "GET", path, None)
+    }
+
+    pub fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call_as(self.token.as_deref(), "POST", path, Some(body))
+    }
+
+    /// Acquires `resource`, which must succeed; returns the lease.
+    pub fn acquire(&self, resource: &str, ttl_ms: u64, wait_ms: u64) -> Value {
+        let (status, lease) = self.post(
+            "/v1/acquire",
+            serde_json::json!({"resource": resource, "ttl_ms": ttl_ms, "wait_ms": wait_ms}),
+        );
+        assert_eq!(status, 200, "acquire {resource}: {lease}");
+        lease
+    }
+
+    pub fn release(&self, lease: &Value) -> (u16, Value) {
+        self.post(
+            &format!("/v1/leases/{}/release", lease["lease_id"].as_str().unwrap()),
+            Value::Null,
+        )
+    }
+
+    /// Whether `resource` is held, as the sidecar's inspect says.
+    pub fn held(&self, resource: &str) -> bool {
+        let (status, lock) = self.get(&format!("/v1/lock?name={resource}"));
+        assert_eq!(status, 200, "{lock}");
+        lock["held"].as_bool().unwrap()
+    }
+
+    /// Opens the lease's event stream; its events arrive on the returned channel as
+    /// `(event name, data)`, the channel closing with the stream.
+    pub fn events(&self, lease: &Value) -> mpsc::Receiver<(String, Value)> {
+        let url = self.url(&format!(
+            "/v1/leases/{}/events",
+            lease["lease_id"].as_str().unwrap()
+        ));
+        let mut req = agent().get(&url);
+        if let Some(t) = &self.token {
+            req = req.header("Authorization", format!("Bearer {t}"));
+        }
+        let resp = req.call().unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let reader = BufReader::new(resp.into_body().into_reader());
+            let mut name = String::new();
+            for line in reader.lines() {
+                let Ok(line) = line else { return };
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_owned();
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    let data = serde_json::from_str(d).unwrap_or(Value::Null);
+                    if tx.send((std::mem::take(&mut name), data)).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        rx
+    }
+}
+
+/// The next event named `name` on `events` within `limit` (others are skipped).
+pub fn next_event(events: &mpsc::Receiver<(String, Value)>, name: &str, limit: Duration) -> Value {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = events.recv_timeout(left);
+        assert!(
+            got.is_ok(),
+            "no {name:?} event within {limit:?}: {:?}",
+            got.err()
+        );
+        let (n, data) = got.unwrap();
+        if n == name {
+            return data;
+        }
+    }
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("fencelock-serve-")
+        .tempdir()
+        .unwrap()
+}
+
+pub fn sqlite_url(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("locks.db").display())
+}
+
+pub fn artifact_dir() -> PathBuf {
+    // CARGO_TARGET_TMPDIR is under target/, kept after the run.
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sidecar");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
