@@ -162,22 +162,11 @@ fn redis_user_runs_every_command_and_the_list_is_what_they_use() {
     assert!(out.status.success(), "{}", out.stderr);
     // Fair: a queued waiter, handed the lock by the release.
     let mut h = holder(&url, prefix, dir.path(), &["--fair"], "f");
-    // A handed-over lease is valid only for what is left of the queue entry until its first
-    // renewal, which is shorter than the default --kill-after: the command would be stopped
-    // at once (a known defect of `run` with fair handoffs).
-    let mut w = at(&[
-        "run",
-        "--fair",
-        "--kill-after",
-        "1s",
-        "--wait",
-        "20s",
-        "f",
-        "--",
-        "true",
-    ])
-    .spawn()
-    .unwrap();
+    // A handed-over lease comes with what is left of the queue entry; `run` renews it before
+    // its supervisor starts, so the default --kill-after does not stop the command at once.
+    let mut w = at(&["run", "--fair", "--wait", "20s", "f", "--", "true"])
+        .spawn()
+        .unwrap();
     await_queued(&server, prefix, "f");
     std::fs::write(dir.path().join("release-f"), "").unwrap();
     assert!(h.wait(FINISH).unwrap().status.success());

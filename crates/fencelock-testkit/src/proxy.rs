@@ -312,6 +312,10 @@ fn start_pumps(client: TcpStream, server: TcpStream, shared: &Arc<Shared>) -> io
     Ok(())
 }
 
+/// What one direction's reader hands its writer: the chunks in order, and whether the source
+/// has closed.
+type Queue = (Mutex<(VecDeque<Chunk>, bool)>, Condvar);
+
 /// One chunk read from the source, with the time it arrived.
 struct Chunk {
     at: Instant,
@@ -323,7 +327,7 @@ struct Chunk {
 /// or delayed bytes never stop the reading (a full socket buffer would turn
 /// a one-way cut into a two-way one).
 fn pump(mut src: TcpStream, mut dst: TcpStream, dir: Dir, generation: u64, shared: &Arc<Shared>) {
-    let queue: Arc<(Mutex<(VecDeque<Chunk>, bool)>, Condvar)> = Arc::default();
+    let queue: Arc<Queue> = Arc::default();
     let reader = {
         let queue = queue.clone();
         let shared = shared.clone();
@@ -362,13 +366,7 @@ fn pump(mut src: TcpStream, mut dst: TcpStream, dir: Dir, generation: u64, share
     let _ = reader.join();
 }
 
-fn deliver(
-    dst: &mut TcpStream,
-    dir: Dir,
-    generation: u64,
-    shared: &Shared,
-    queue: &(Mutex<(VecDeque<Chunk>, bool)>, Condvar),
-) {
+fn deliver(dst: &mut TcpStream, dir: Dir, generation: u64, shared: &Shared, queue: &Queue) {
     let (lock, _) = queue;
     loop {
         let st = shared.lock();

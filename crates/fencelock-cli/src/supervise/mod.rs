@@ -84,6 +84,13 @@ pub async fn supervise(
     command: &[String],
     opts: &Supervision,
 ) -> Result<u8> {
+    // A lock handed over by a fair release comes with only what was left of the waiter's
+    // queue entry, renewed to the full TTL at a third of that. The supervisor stops the
+    // command `--kill-after` before the deadline it is given, so a short one would stop it at
+    // once: renew first. A refusal here is a loss, which the session reports as any other.
+    if lease.time_left() < lease.ttl() / 2 {
+        let _ = lease.extend().await;
+    }
     let outcome = match Session::start(&lease, command, opts) {
         Ok(session) => session.run(&lease).await,
         Err(e) => {
