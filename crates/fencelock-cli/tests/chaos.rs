@@ -270,5 +270,96 @@ async fn chaos_suite() {
         }
         rows.push(row);
     }
+    #[cfg(feature = "zookeeper")]
+    if !only_restarts {
+        zookeeper_rows(&mut rows).await;
+    }
     print_table(&rows);
+}
+
+/// ZooKeeper on a three-server ensemble: a holder SIGSTOPped for 1-3 TTLs (its session, as
+/// long as the TTL, expires while it is stopped), and the leader SIGKILLed and restarted while
+/// the workers acquire. The TTL is the servers' shortest session, two ticks (1 s).
+#[cfg(feature = "zookeeper")]
+async fn zookeeper_rows(rows: &mut Vec<Row>) {
+    use fencelock_testkit::ZkEnsemble;
+    let zk = tokio::task::block_in_place(|| ZkEnsemble::start(3)).unwrap();
+    let url = zk.url();
+    let ttl = Duration::from_secs(1);
+    let cycles = if long_form() { 200 } else { 16 };
+    let run = Run {
+        url: url.clone(),
+        ttl,
+        resources: 8,
+        per_resource: 2,
+        policy: Policy::StopVictim,
+        max_ttl: ttl * 5,
+        victim_env: vec![],
+    };
+    let (v, c, fails, secs) = execute(
+        run,
+        Duration::from_secs(240),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row {
+        engine: "zk",
+        scenario: "SIGSTOP holder 1-3 x TTL",
+        cycles: c,
+        fails,
+        seconds: secs,
+        v,
+    };
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert!(
+        row.v.writes_refused > 0,
+        "no zombie write refused: {:?}",
+        row.v
+    );
+    assert_eq!(row.v.double_grants, 0, "zk: {:?}", row.v);
+    rows.push(row);
+
+    let zk = Arc::new(Mutex::new(zk));
+    let run = Run {
+        url,
+        ttl,
+        resources: 4,
+        per_resource: 2,
+        policy: Policy::Go,
+        max_ttl: ttl * 5,
+        victim_env: vec![],
+    };
+    let rounds = if long_form() { 20 } else { 3 };
+    let z2 = zk.clone();
+    let (v, _, fails, secs) = execute(
+        run,
+        Duration::from_secs(180),
+        |_| false,
+        move |_, _, _| async move {
+            for _ in 0..rounds {
+                tokio::time::sleep(ttl * 2).await;
+                tokio::task::block_in_place(|| {
+                    let mut zk = z2.lock().unwrap();
+                    let leader = zk.leader().unwrap();
+                    zk.kill(leader);
+                    zk.wait_leader(Duration::from_secs(30)).unwrap();
+                    zk.restart(leader).unwrap();
+                });
+            }
+        },
+    )
+    .await;
+    let row = Row {
+        engine: "zk",
+        scenario: "leader SIGKILL + restart",
+        cycles: rounds,
+        fails,
+        seconds: secs,
+        v,
+    };
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "zk: {:?}", row.v);
+    rows.push(row);
 }
