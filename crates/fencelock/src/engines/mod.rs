@@ -160,6 +160,8 @@ impl Backend {
             Backend::Postgres(_) => postgres::acl::plan(prefix, user, read_only),
             #[cfg(feature = "etcd")]
             Backend::Etcd(_) => etcd::acl::plan(prefix, user, read_only),
+            #[cfg(feature = "zookeeper")]
+            Backend::Zookeeper(_) => zookeeper::acl::plan(prefix, user, read_only),
         }
     }
 

@@ -86,10 +86,7 @@ impl ZkEngine {
                 continue;
             }
             if let Some((child, data, stat)) = self.head(&s, &name).await? {
-                held.push(HeldLock {
-                    resource: name,
-                    holder: holder_of(&child, &data, &stat),
-                });
+                held.push(HeldLock::new(name, holder_of(&child, &data, &stat)));
             }
         }
         Ok(held)
@@ -111,10 +108,11 @@ impl ZkEngine {
             return Ok(None);
         }
         let dir = self.paths.audit(Some(name));
-        // Records are readable by anyone and changed by nobody; the directories are open, so
-        // that every identity sharing the prefix can add its own.
+        // Records are readable by anyone and changed by nobody; a record is deleted through
+        // its directory's ACL, which is this client's (as the lock path's, whose nodes only
+        // its creator may delete): with credentials, no other identity can erase the trail.
         let seq = CreateMode::PersistentSequential.with_acls(zookeeper_client::Acls::anyone_read());
-        let dirs = CreateMode::Persistent.with_acls(zookeeper_client::Acls::anyone_all());
+        let dirs = CreateMode::Persistent.with_acls(self.acls());
         ok(
             "create the audit path",
             self.read("create the audit path", || s.client.mkdir(&dir, &dirs))
