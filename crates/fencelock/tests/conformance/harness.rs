@@ -436,6 +436,8 @@ mod zookeeper {
             // A node lives as long as its session: no time left, no renewal recorded.
             ttl_left_known: false,
             renewals_recorded: false,
+            // The limits are checked by each client over its own leases, as on etcd.
+            quota_shared_by_name: false,
             ..USUAL
         };
         const BAD_URLS: &'static [&'static str] = &[

@@ -7,8 +7,10 @@
 //! [`queue`]; elections in [`election`]; the runbook in [`runbook`]; ZooKeeper calls in
 //! [`call`]; the name mapping in [`paths`].
 
+pub(crate) mod acl;
 mod call;
 mod election;
+mod limits;
 mod paths;
 mod queue;
 mod runbook;
@@ -28,6 +30,7 @@ use crate::core::engine::{
 };
 use crate::core::error::Result;
 use crate::core::holder::Holder;
+use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use paths::Paths;
 use session::{Node, Session};
@@ -49,6 +52,8 @@ pub(crate) struct ZkEngine {
     nodes: Mutex<HashMap<String, Node>>,
     /// Where the owners of leases lost with their session go (the watchdog's loss feed).
     losses: mpsc::UnboundedSender<String>,
+    /// The limits of the prefix as last read, and when (see [`limits`]).
+    limits_seen: Mutex<Option<(tokio::time::Instant, Limits)>>,
     /// The engine itself, for the tasks it starts (which must not keep it alive).
     me: Weak<ZkEngine>,
 }
@@ -76,6 +81,7 @@ pub(crate) async fn open(url: ZkUrl, cfg: &EngineConfig) -> Result<Opened> {
         session: tokio::sync::Mutex::new(None),
         nodes: Mutex::new(HashMap::new()),
         losses: tx,
+        limits_seen: Mutex::new(None),
         me: me.clone(),
     });
     session::sweep_dropped(Arc::downgrade(&engine));
@@ -126,7 +132,7 @@ impl Engine for ZkEngine {
     }
 
     async fn extend(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
-        self.renew(batch).await
+        self.renew_within_limits(batch).await
     }
 
     async fn release(&self, _name: &str, owner: &str) -> Result<bool> {
@@ -152,5 +158,13 @@ impl Engine for ZkEngine {
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
         self.read_audit(name).await
+    }
+
+    async fn limits(&self) -> Result<Vec<StoredLimits>> {
+        self.read_limits().await
+    }
+
+    async fn set_limits(&self, limits: &Limits) -> Result<()> {
+        self.store_limits(limits).await
     }
 }

@@ -55,26 +55,34 @@ impl ZkEngine {
         Acls::new(&self.acls)
     }
 
-    /// Creates the prefix (persistent nodes, open to every identity, so that other services
-    /// can keep their own locks beside) and the lock path (a container, with this client's
-    /// ACL).
+    /// Creates the lock path (a container, with this client's ACL), and first the prefix
+    /// (persistent nodes, open to every identity, so that other services can keep their own
+    /// locks beside) only when it is missing: creating a node that exists still needs CREATE
+    /// on its parent, which an operator may have confined (`fencelock acl`).
     async fn ensure_lock_path(&self, s: &Session, name: &str) -> Result<()> {
-        let open = zookeeper_client::Acls::anyone_all();
-        let dir = CreateMode::Persistent.with_acls(open);
-        let root = self.paths.root().to_owned();
-        ok(
-            "create the prefix",
-            self.read("create the prefix", || s.client.mkdir(&root, &dir))
-                .await?,
-        )?;
         let lock = self.paths.lock(name);
         let container = CreateMode::Container.with_acls(self.acls());
-        match self
-            .read("create the lock path", || {
+        let create = || async {
+            self.read("create the lock path", || {
                 s.client.create(&lock, &[], &container)
             })
-            .await?
-        {
+            .await
+        };
+        let created = match create().await? {
+            Err(ZkError::NoNode) => {
+                let open = zookeeper_client::Acls::anyone_all();
+                let dir = CreateMode::Persistent.with_acls(open);
+                let root = self.paths.root().to_owned();
+                ok(
+                    "create the prefix",
+                    self.read("create the prefix", || s.client.mkdir(&root, &dir))
+                        .await?,
+                )?;
+                create().await?
+            }
+            other => other,
+        };
+        match created {
             Ok(_) | Err(ZkError::NodeExists) => Ok(()),
             Err(e) => Err(zk_error("create the lock path", e)),
         }
@@ -208,6 +216,16 @@ impl WaitQueue for ZkEngine {
         let started = Instant::now();
         let deadline = started + wait;
         let marker = if campaign.is_some() { LATCH } else { LOCK };
+        // Checked by this client: ZooKeeper cannot make the create conditional on them.
+        if let Some(max) = self.over_limits(&req.name, &req.owner, req.ttl).await? {
+            return Ok((
+                Attempt::OverQuota {
+                    max,
+                    retry_in: None,
+                },
+                started,
+            ));
+        }
         let session = self.session_for(Some(req.ttl)).await?;
         // Registered before the create is sent: a release after a cancelled acquisition then
         // finds the node by its protected name even if the create's answer never came.
