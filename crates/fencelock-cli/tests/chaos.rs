@@ -287,16 +287,8 @@ async fn zookeeper_rows(rows: &mut Vec<Row>) {
     let url = zk.url();
     let ttl = Duration::from_secs(1);
     let cycles = if long_form() { 200 } else { 16 };
-    let run = Run {
-        url: url.clone(),
-        ttl,
-        resources: 8,
-        per_resource: 2,
-        policy: Policy::StopVictim,
-        max_ttl: ttl * 5,
-        victim_env: vec![],
-    };
-    let (v, c, fails, secs) = execute(
+    let run = Run::new(&url, ttl, 8, 2, Policy::StopVictim);
+    let o = execute(
         run,
         Duration::from_secs(240),
         |s| s.cycles >= cycles,
@@ -306,10 +298,10 @@ async fn zookeeper_rows(rows: &mut Vec<Row>) {
     let row = Row {
         engine: "zk",
         scenario: "SIGSTOP holder 1-3 x TTL",
-        cycles: c,
-        fails,
-        seconds: secs,
-        v,
+        cycles: o.cycles,
+        fails: o.fails,
+        seconds: o.seconds,
+        v: o.verdict,
     };
     assert_safe(&row);
     assert!(row.cycles >= cycles, "{} cycles", row.cycles);
@@ -322,18 +314,10 @@ async fn zookeeper_rows(rows: &mut Vec<Row>) {
     rows.push(row);
 
     let zk = Arc::new(Mutex::new(zk));
-    let run = Run {
-        url,
-        ttl,
-        resources: 4,
-        per_resource: 2,
-        policy: Policy::Go,
-        max_ttl: ttl * 5,
-        victim_env: vec![],
-    };
+    let run = Run::new(&url, ttl, 4, 2, Policy::Go);
     let rounds = if long_form() { 20 } else { 3 };
     let z2 = zk.clone();
-    let (v, _, fails, secs) = execute(
+    let o = execute(
         run,
         Duration::from_secs(180),
         |_| false,
@@ -355,9 +339,9 @@ async fn zookeeper_rows(rows: &mut Vec<Row>) {
         engine: "zk",
         scenario: "leader SIGKILL + restart",
         cycles: rounds,
-        fails,
-        seconds: secs,
-        v,
+        fails: o.fails,
+        seconds: o.seconds,
+        v: o.verdict,
     };
     assert_safe(&row);
     assert_eq!(row.v.double_grants, 0, "zk: {:?}", row.v);
