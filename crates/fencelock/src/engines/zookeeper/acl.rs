@@ -98,6 +98,10 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
             "reading is not confined: every node below the prefix is readable by any identity \
              (holders' host, pid and client name included), as Curator's recipes leave them"
                 .into(),
+            "audit records cannot be confined: the per-name directories under %audit are open \
+             (so that every identity sharing the prefix can record its forced releases), and \
+             ZooKeeper lets whoever may delete a directory's children erase a record"
+                .into(),
             format!(
                 "lock paths created before the ACL was set keep theirs (open to all when \
                  created without credentials): they are containers, gone once empty; check with \

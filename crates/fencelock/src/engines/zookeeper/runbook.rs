@@ -108,11 +108,11 @@ impl ZkEngine {
             return Ok(None);
         }
         let dir = self.paths.audit(Some(name));
-        // Records are readable by anyone and changed by nobody; a record is deleted through
-        // its directory's ACL, which is this client's (as the lock path's, whose nodes only
-        // its creator may delete): with credentials, no other identity can erase the trail.
+        // Records are readable by anyone and changed by nobody; the directories are open, so
+        // that every identity sharing the prefix can add its own (they are created before the
+        // delete is tried: an identity the delete then refuses must not take them over).
         let seq = CreateMode::PersistentSequential.with_acls(zookeeper_client::Acls::anyone_read());
-        let dirs = CreateMode::Persistent.with_acls(self.acls());
+        let dirs = CreateMode::Persistent.with_acls(zookeeper_client::Acls::anyone_all());
         ok(
             "create the audit path",
             self.read("create the audit path", || s.client.mkdir(&dir, &dirs))
