@@ -318,12 +318,16 @@ struct Chunk {
     bytes: Vec<u8>,
 }
 
+/// The chunks read and not yet delivered, whether the reader has stopped, and the condition a
+/// delivering thread waits on.
+type ChunkQueue = Arc<(Mutex<(VecDeque<Chunk>, bool)>, Condvar)>;
+
 /// Carries one direction of a connection: a reader thread queues what
 /// arrives, and this thread delivers it when the fault allows, so that held
 /// or delayed bytes never stop the reading (a full socket buffer would turn
 /// a one-way cut into a two-way one).
 fn pump(mut src: TcpStream, mut dst: TcpStream, dir: Dir, generation: u64, shared: &Arc<Shared>) {
-    let queue: Arc<(Mutex<(VecDeque<Chunk>, bool)>, Condvar)> = Arc::default();
+    let queue: ChunkQueue = Arc::default();
     let reader = {
         let queue = queue.clone();
         let shared = shared.clone();

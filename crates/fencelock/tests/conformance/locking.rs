@@ -143,7 +143,10 @@ pub async fn loss_is_reported_when_the_engine_goes_away<H: Harness>() {
     .expect("the lease outlived its engine");
     assert_eq!(out.unwrap_err().kind(), ErrorKind::LeaseLost);
     let now = Instant::now();
-    assert!(lease.valid_until() <= now, "a lost lease still reports validity");
+    assert!(
+        lease.valid_until() <= now,
+        "a lost lease still reports validity"
+    );
     let late = now.saturating_duration_since(valid_until);
     assert!(late <= SLACK, "lost {late:?} after its validity ended");
     if H::QUIRKS.loss_before_validity_ends {

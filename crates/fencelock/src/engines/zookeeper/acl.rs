@@ -8,7 +8,9 @@
 //! recipes with credentials; without, `world:anyone` with all rights.
 
 use super::paths::zk_prefix;
-use crate::core::access::{validate_user, AccessPlan, AccessStep, AccessUser, PASSWORD_PLACEHOLDER};
+use crate::core::access::{
+    validate_user, AccessPlan, AccessStep, AccessUser, PASSWORD_PLACEHOLDER,
+};
 use crate::core::error::{Error, Result};
 
 /// A zkCli.sh argument: its parser splits on blanks and takes a quoted argument (`"..."` or
@@ -47,9 +49,8 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
         .skip(1)
         .map(|(i, _)| node[..i].to_owned())
         .collect();
-    let acl = format!(
-        "digest:{user}:<digest of {user}>:cdrwa,digest:{read_only}:<digest of {read_only}>:r"
-    );
+    let acl =
+        format!("digest:{user}:<{user}-digest>:cdrwa,digest:{read_only}:<{read_only}-digest>:r");
     let mut steps = Vec::new();
     for path in [&node, &audit] {
         steps.push(step(&["create", path]));
@@ -73,7 +74,7 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
         ],
         notes: vec![
             format!(
-                "replace <digest of NAME> by base64(SHA-1(\"NAME:{PASSWORD_PLACEHOLDER}\")): \
+                "replace <NAME-digest> by base64(SHA-1(\"NAME:{PASSWORD_PLACEHOLDER}\")): \
                  printf %s 'NAME:{PASSWORD_PLACEHOLDER}' | openssl dgst -sha1 -binary | base64, \
                  or java -cp \"$ZOOKEEPER_HOME/lib/*\" \
                  org.apache.zookeeper.server.auth.DigestAuthenticationProvider \
@@ -121,7 +122,7 @@ mod tests {
         let lines: Vec<&str> = p.setup.iter().map(|s| s.line.as_str()).collect();
         assert_eq!(lines, ["create /fencelock"]);
         let lines: Vec<&str> = p.users[0].steps.iter().map(|s| s.line.as_str()).collect();
-        let acl = "digest:svc:<digest of svc>:cdrwa,digest:svc-ro:<digest of svc-ro>:r";
+        let acl = "digest:svc:<svc-digest>:cdrwa,digest:svc-ro:<svc-ro-digest>:r";
         assert_eq!(
             lines,
             [
