@@ -91,7 +91,7 @@ pub(crate) fn plan(prefix: &str, user: &str, read_only: &str) -> Result<AccessPl
             ),
             format!(
                 "ACLs are per node, not inherited: the prefix's ACL confines who creates lock \
-                 paths under it; each lock path, waiter and audit node carries the ACL of the \
+                 paths under it; each lock path and waiter node carries the ACL of the \
                  identity that created it (that identity: cdrwa; world:anyone: r), so only {user} \
                  can queue on, or force-release, a lock it created; {read_only} needs no step \
                  of its own beyond its r on the two nodes above"
