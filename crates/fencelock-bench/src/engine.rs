@@ -15,7 +15,8 @@ pub(crate) type Node = fencelock::HostPort;
         feature = "sqlite",
         feature = "redis",
         feature = "postgres",
-        feature = "etcd"
+        feature = "etcd",
+        feature = "zookeeper"
     )),
     allow(dead_code)
 )]
@@ -30,6 +31,9 @@ pub(crate) enum Engine {
     /// `etcd://` and `etcds://`.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     Etcd(EtcdTarget),
+    /// `zk://`.
+    #[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
+    Zookeeper(ZkTarget),
     /// An engine the bench has no reference for: the lock runs apply to it as they are.
     Other,
 }
@@ -69,6 +73,15 @@ pub(crate) struct EtcdTarget {
     pub(crate) password: Option<String>,
 }
 
+/// The ensemble the ZooKeeper reference opens a session of its own on.
+#[cfg_attr(not(feature = "zookeeper"), allow(dead_code))]
+pub(crate) struct ZkTarget {
+    /// `h1:p1,h2:p2[/chroot]`.
+    pub(crate) connect: String,
+    pub(crate) user: Option<String>,
+    pub(crate) password: Option<String>,
+}
+
 impl Engine {
     pub(crate) fn parse(url: &str) -> Result<Engine, String> {
         Ok(match Backend::parse(url).map_err(|e| e.to_string())? {
@@ -101,6 +114,12 @@ impl Engine {
             Backend::Etcd(u) => Engine::Etcd(EtcdTarget {
                 tls: u.tls,
                 endpoints: u.endpoints,
+                user: u.user,
+                password: u.password,
+            }),
+            #[cfg(feature = "zookeeper")]
+            Backend::Zookeeper(u) => Engine::Zookeeper(ZkTarget {
+                connect: u.connect_string(),
                 user: u.user,
                 password: u.password,
             }),

@@ -6,7 +6,7 @@
 //! Each section of the run has a module of its own: `uncontended` (1), `contention` (2) and
 //! `renewal` (3), so that each reads as what it measures. What the figures are compared with
 //! lives apart: `reference` (redis-benchmark), `floor` (what the redis crate itself allows),
-//! `etcd` and `postgres` (those servers' own rates, pgbench in section 4). `engine` says which
+//! `etcd`, `zookeeper` and `postgres` (those servers' own rates, pgbench in section 4). `engine` says which
 //! engine the URL names and what the sections need of it, `servers` reaches the Redis nodes
 //! directly, `runtime` gives a run a thread of its own, `plumbing` holds what every section
 //! shares (the output, the formatting of figures, the Ctrl-C flag and the bound on each phase)
@@ -34,6 +34,8 @@ mod renewal;
 mod runtime;
 mod servers;
 mod uncontended;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
 
 use cli::{connect, exit, BackendArg, Exit};
 use engine::Engine;
@@ -138,6 +140,11 @@ async fn bench(args: BenchArgs) -> Result<u8> {
         Engine::Etcd(target) => Some(etcd::EtcdReference::open(target, &names.base).await),
         _ => None,
     };
+    #[cfg(feature = "zookeeper")]
+    let zk_ref = match &engine {
+        Engine::Zookeeper(target) => Some(zookeeper::ZkReference::open(target, &names.base).await),
+        _ => None,
+    };
     let reference = match (&engine, &servers) {
         (_, Some(s)) => Reference::prepare(s).await,
         (Engine::Postgres(_), None) => Err("pgbench, measured in section 4".to_owned()),
@@ -147,6 +154,14 @@ async fn bench(args: BenchArgs) -> Result<u8> {
                             uncontended run"
                 .to_owned(),
             Some(Err(e)) => format!("unavailable (no etcd connection: {e})"),
+            None => String::new(),
+        }),
+        #[cfg(feature = "zookeeper")]
+        (Engine::Zookeeper(_), None) => Err(match &zk_ref {
+            Some(Ok(_)) => "ZooKeeper's own create+delete rate on the same ensemble, measured \
+                            after each uncontended run"
+                .to_owned(),
+            Some(Err(e)) => format!("unavailable (no ZooKeeper session: {e})"),
             None => String::new(),
         }),
         _ => Err(format!("not applicable to the {name} engine")),
@@ -164,7 +179,9 @@ async fn bench(args: BenchArgs) -> Result<u8> {
     match &reference {
         Ok(r) => out.line(format!("reference: {} against {}", r.version, r.node)),
         // etcd's reference is measured later; the line says what it will be.
-        Err(why) if matches!(engine, Engine::Etcd(_)) => out.line(format!("reference: {why}")),
+        Err(why) if matches!(engine, Engine::Etcd(_) | Engine::Zookeeper(_)) => {
+            out.line(format!("reference: {why}"))
+        }
         Err(why) => out.line(format!("reference: unavailable ({why})")),
     }
     if let Ok(r) = &reference {
@@ -183,6 +200,8 @@ async fn bench(args: BenchArgs) -> Result<u8> {
         reference: reference.as_ref().ok(),
         #[cfg(feature = "etcd")]
         etcd: etcd_ref.as_ref().and_then(|r| r.as_ref().ok()),
+        #[cfg(feature = "zookeeper")]
+        zookeeper: zk_ref.as_ref().and_then(|r| r.as_ref().ok()),
     };
     let outcome = bench.all(args.quick, servers.as_ref()).await;
     #[cfg(feature = "postgres")]
@@ -197,6 +216,12 @@ async fn bench(args: BenchArgs) -> Result<u8> {
         (Engine::Etcd(_), None) => match &etcd_ref {
             Some(Ok(r)) => r.clean().await,
             Some(Err(e)) => Err(format!("no reference connection: {e}")),
+            None => Ok(String::new()),
+        },
+        #[cfg(feature = "zookeeper")]
+        (Engine::Zookeeper(_), None) => match &zk_ref {
+            Some(Ok(r)) => r.clean().await,
+            Some(Err(e)) => Err(format!("no reference session: {e}")),
             None => Ok(String::new()),
         },
         _ => Ok(format!(
@@ -240,6 +265,8 @@ struct Bench<'a> {
     reference: Option<&'a Reference>,
     #[cfg(feature = "etcd")]
     etcd: Option<&'a etcd::EtcdReference>,
+    #[cfg(feature = "zookeeper")]
+    zookeeper: Option<&'a zookeeper::ZkReference>,
 }
 
 impl Bench<'_> {

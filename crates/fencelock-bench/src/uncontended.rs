@@ -89,6 +89,12 @@ impl Bench<'_> {
                 e.report(self.out, self.dur, self.stop, seq, &par).await;
             }
         }
+        #[cfg(feature = "zookeeper")]
+        if let Some(z) = self.zookeeper {
+            if !self.stop.is_set() {
+                z.report(self.out, self.dur, self.stop, seq, &par).await;
+            }
+        }
         if self.reference.is_none() {
             return Ok(());
         }

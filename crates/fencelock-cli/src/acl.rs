@@ -58,13 +58,17 @@ fn to_text(plan: &fencelock::AccessPlan, prefix: &str) -> String {
             "redis-cli" => ", to run in redis-cli on every node",
             "psql" => ", to run in psql",
             "shell" => ", to run in a shell",
+            "zkCli.sh" => ", to run in zkCli.sh",
             _ => "",
         }
     );
     if !plan.setup.is_empty() {
-        out.push_str(&format!(
-            "\n{c} first, once, as the owner of fencelock's tables (or the role that will own them)\n"
-        ));
+        let who = if plan.runs_in == "psql" {
+            "as the owner of fencelock's tables (or the role that will own them)"
+        } else {
+            "the parents of the prefix"
+        };
+        out.push_str(&format!("\n{c} first, once, {who}\n"));
         for s in &plan.setup {
             out.push_str(&s.line);
             out.push('\n');

@@ -60,7 +60,8 @@ struct Cli {
 #[derive(Args, Debug, Clone)]
 pub struct BackendArg {
     /// Backend URL: sqlite:///path.db, redis://host:port, redlock://h1:p1,h2:p2,h3:p3,
-    /// postgres://user@host:port/db[?mode=lease], etcd://h1:p1,h2:p2,h3:p3.
+    /// postgres://user@host:port/db[?mode=lease], etcd://h1:p1,h2:p2,h3:p3,
+    /// zk://h1:p1,h2:p2,h3:p3[/chroot].
     /// Default: $FENCELOCK_URL, else a routing configuration (--config), else the SQLite
     /// file in the user's state directory.
     #[arg(long, global = true, conflicts_with = "config")]
@@ -79,7 +80,7 @@ pub struct BackendArg {
 enum Command {
     /// Run a command while holding a lock, like flock(1) across machines.
     Run(RunArgs),
-    /// Run a command only while leading an election, or watch who leads (best on etcd).
+    /// Run a command only while leading an election, or watch who leads (best on etcd and ZooKeeper).
     Elect(elect::ElectArgs),
     /// Print the engine keys a resource name maps to, so other tools can take the same lock.
     Key {
@@ -155,7 +156,7 @@ pub struct RunArgs {
     /// Client name recorded with the lease (shown by `inspect`).
     #[arg(long, default_value = "fencelock-run")]
     pub client_name: String,
-    /// Wait in FIFO order behind earlier waiters (Redis engines; etcd always does).
+    /// Wait in FIFO order behind earlier waiters (Redis engines; etcd and ZooKeeper always do).
     #[arg(long)]
     pub fair: bool,
     /// Serve metrics in Prometheus text format on this address (127.0.0.1:9464,

@@ -270,5 +270,80 @@ async fn chaos_suite() {
         }
         rows.push(row);
     }
+    #[cfg(feature = "zookeeper")]
+    if !only_restarts {
+        zookeeper_rows(&mut rows).await;
+    }
     print_table(&rows);
+}
+
+/// ZooKeeper on a three-server ensemble: a holder SIGSTOPped for 1-3 TTLs (its session, as
+/// long as the TTL, expires while it is stopped), and the leader SIGKILLed and restarted while
+/// the workers acquire. The TTL is the servers' shortest session, two ticks (1 s).
+#[cfg(feature = "zookeeper")]
+async fn zookeeper_rows(rows: &mut Vec<Row>) {
+    use fencelock_testkit::ZkEnsemble;
+    let zk = tokio::task::block_in_place(|| ZkEnsemble::start(3)).unwrap();
+    let url = zk.url();
+    let ttl = Duration::from_secs(1);
+    let cycles = if long_form() { 200 } else { 16 };
+    let run = Run::new(&url, ttl, 8, 2, Policy::StopVictim);
+    let o = execute(
+        run,
+        Duration::from_secs(240),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row {
+        engine: "zk",
+        scenario: "SIGSTOP holder 1-3 x TTL",
+        cycles: o.cycles,
+        fails: o.fails,
+        seconds: o.seconds,
+        v: o.verdict,
+    };
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert!(
+        row.v.writes_refused > 0,
+        "no zombie write refused: {:?}",
+        row.v
+    );
+    assert_eq!(row.v.double_grants, 0, "zk: {:?}", row.v);
+    rows.push(row);
+
+    let zk = Arc::new(Mutex::new(zk));
+    let run = Run::new(&url, ttl, 4, 2, Policy::Go);
+    let rounds = if long_form() { 20 } else { 3 };
+    let z2 = zk.clone();
+    let o = execute(
+        run,
+        Duration::from_secs(180),
+        |_| false,
+        move |_, _, _| async move {
+            for _ in 0..rounds {
+                tokio::time::sleep(ttl * 2).await;
+                tokio::task::block_in_place(|| {
+                    let mut zk = z2.lock().unwrap();
+                    let leader = zk.leader().unwrap();
+                    zk.kill(leader);
+                    zk.wait_leader(Duration::from_secs(30)).unwrap();
+                    zk.restart(leader).unwrap();
+                });
+            }
+        },
+    )
+    .await;
+    let row = Row {
+        engine: "zk",
+        scenario: "leader SIGKILL + restart",
+        cycles: rounds,
+        fails: o.fails,
+        seconds: o.seconds,
+        v: o.verdict,
+    };
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "zk: {:?}", row.v);
+    rows.push(row);
 }

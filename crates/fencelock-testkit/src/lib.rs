@@ -9,7 +9,8 @@
 //! [`PgServer`] does the same for PostgreSQL, whose restart is a crash and a
 //! recovery that keeps committed data, and [`PgBouncer`] puts a transaction
 //! pooler in front of one. [`EtcdCluster`] starts an N-member etcd cluster with
-//! members that can be killed, restarted and paused one by one. [`BinCommand`]
+//! members that can be killed, restarted and paused one by one, and [`ZkEnsemble`] a
+//! ZooKeeper ensemble (or a standalone server) whose leader `srvr` names. [`BinCommand`]
 //! starts the binaries under test themselves (`fencelock`, `fencelock-bench`)
 //! with a clean environment, output captured in files, and a [`Proc`] guard
 //! that stops them when a test ends. [`FaultProxy`] stands between a client and
@@ -32,6 +33,7 @@ mod proc;
 mod proxy;
 mod redis;
 mod tls;
+mod zookeeper;
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
@@ -43,6 +45,7 @@ pub use postgres::{PgBouncer, PgServer};
 pub use proxy::{Fault, FaultProxy};
 pub use redis::{backend_url, redlock_url, start_redis_nodes, RedisServer};
 pub use tls::TestTls;
+pub use zookeeper::{curator_classpath, four_letters, java_bin, ZkEnsemble, SMALL_JVM, ZK_TICK};
 
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.
 ///

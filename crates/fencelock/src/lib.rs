@@ -32,7 +32,7 @@
 //!   names no engine.
 //! - **lock servers** (`engines/`): one folder per engine behind a cargo feature (`sqlite`, on
 //!   by default; `redis` for one node and Redlock; `postgres`: advisory locks, or a lease table
-//!   with `?mode=lease`; `etcd`), each with its own URL parser. `engines/mod.rs` is the one
+//!   with `?mode=lease`; `etcd`; `zookeeper`), each with its own URL parser. `engines/mod.rs` is the one
 //!   place that names every engine: it maps a URL scheme ([`Backend`]) to the engine's parser
 //!   and constructor. What only some engines have (a waiter queue, native elections, a feed of
 //!   lost sessions) is a capability the engine hands out when opened.
@@ -61,6 +61,7 @@
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
 //! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
 //! | `etcd://[user:pass@]h1:p1,h2:p2,...`, `etcds://...?ca=PATH&cert=PATH&key=PATH` | one etcd cluster (feature `etcd`) |
+//! | `zk://[user:pass@]h1:p1,h2:p2,.../chroot[?session_timeout=10s]` | one ZooKeeper ensemble, Curator's lock layout (feature `zookeeper`) |
 //!
 //! # Validity
 //! Every grant's validity is computed as the Redlock spec does, for every engine:
@@ -114,7 +115,8 @@
         feature = "sqlite",
         feature = "redis",
         feature = "postgres",
-        feature = "etcd"
+        feature = "etcd",
+        feature = "zookeeper"
     )),
     allow(dead_code)
 )]
@@ -156,6 +158,8 @@ pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 pub use crate::engines::redis::url::RedisUrl;
 #[cfg(feature = "sqlite")]
 pub use crate::engines::sqlite::url::{default_sqlite_path, SqliteUrl};
+#[cfg(feature = "zookeeper")]
+pub use crate::engines::zookeeper::url::ZkUrl;
 pub use crate::engines::{default_url, Backend};
 pub use crate::ops::election::{Election, Leadership, MAX_VALUE_BYTES};
 pub use crate::ops::runbook::{overdue_after, Assessment, ForceRelease, ProcessState, Verdict};

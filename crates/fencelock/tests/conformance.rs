@@ -130,3 +130,5 @@ conformance!(postgres_lease, harness::PostgresLease);
 conformance!(postgres_lease_pooled, harness::PostgresLeasePooled);
 #[cfg(feature = "etcd")]
 conformance!(etcd, harness::Etcd);
+#[cfg(feature = "zookeeper")]
+conformance!(zookeeper, harness::ZooKeeper);

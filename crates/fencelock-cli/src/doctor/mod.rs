@@ -25,6 +25,8 @@ mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 mod ttl;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
 
 #[derive(Args, Debug, Clone)]
 pub struct DoctorArgs {
@@ -150,6 +152,8 @@ async fn check_backend(
         }
         #[cfg(feature = "postgres")]
         fencelock::Backend::Postgres(u) => postgres::postgres(u, f).await?,
+        #[cfg(feature = "zookeeper")]
+        fencelock::Backend::Zookeeper(_) => zookeeper::zookeeper(args, f).await,
         _ => {}
     }
     Ok(())

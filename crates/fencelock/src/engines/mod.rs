@@ -20,6 +20,8 @@ pub(crate) mod postgres;
 pub(crate) mod redis;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;
+#[cfg(feature = "zookeeper")]
+pub(crate) mod zookeeper;
 
 #[cfg(test)]
 mod tests;
@@ -47,10 +49,14 @@ pub enum Backend {
     #[cfg(feature = "etcd")]
     #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
     Etcd(etcd::url::EtcdUrl),
+    /// `zk://h1:p1,h2:p2,.../chroot`: one ZooKeeper ensemble, Curator's lock layout.
+    #[cfg(feature = "zookeeper")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+    Zookeeper(zookeeper::url::ZkUrl),
 }
 
 const SCHEMES: &str =
-    "sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, etcd://, etcds://";
+    "sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, etcd://, etcds://, zk://";
 
 impl Backend {
     /// Parses a backend URL, with the same rules and errors as [`Client::connect`].
@@ -75,6 +81,8 @@ impl Backend {
             "postgres" | "postgresql" => postgres::url::parse(scheme, rest).map(Backend::Postgres),
             #[cfg(feature = "etcd")]
             "etcd" | "etcds" => etcd::url::parse(scheme, rest).map(Backend::Etcd),
+            #[cfg(feature = "zookeeper")]
+            "zk" | "zks" => zookeeper::url::parse(scheme, rest).map(Backend::Zookeeper),
             #[cfg(not(feature = "sqlite"))]
             "sqlite" => Err(left_out("sqlite")),
             #[cfg(not(feature = "redis"))]
@@ -83,6 +91,8 @@ impl Backend {
             "postgres" | "postgresql" => Err(left_out("postgres")),
             #[cfg(not(feature = "etcd"))]
             "etcd" | "etcds" => Err(left_out("etcd")),
+            #[cfg(not(feature = "zookeeper"))]
+            "zk" | "zks" => Err(left_out("zookeeper")),
             other => Err(Error::invalid(format!(
                 "unknown backend scheme {other:?}; use one of {SCHEMES}"
             ))),
@@ -109,6 +119,8 @@ impl Backend {
             Backend::Postgres(ref u) => postgres::labelled_keys(u.mode, prefix, name),
             #[cfg(feature = "etcd")]
             Backend::Etcd(_) => etcd::labelled_keys(prefix, name),
+            #[cfg(feature = "zookeeper")]
+            Backend::Zookeeper(_) => zookeeper::labelled_keys(prefix, name)?,
         })
     }
 
@@ -148,11 +160,13 @@ impl Backend {
             Backend::Postgres(_) => postgres::acl::plan(prefix, user, read_only),
             #[cfg(feature = "etcd")]
             Backend::Etcd(_) => etcd::acl::plan(prefix, user, read_only),
+            #[cfg(feature = "zookeeper")]
+            Backend::Zookeeper(_) => zookeeper::acl::plan(prefix, user, read_only),
         }
     }
 
     /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`
-    /// or `etcd`.
+    /// `etcd` or `zookeeper`.
     pub fn engine(&self) -> &'static str {
         match *self {
             #[cfg(feature = "sqlite")]
@@ -163,6 +177,8 @@ impl Backend {
             Backend::Postgres(ref u) => u.engine(),
             #[cfg(feature = "etcd")]
             Backend::Etcd(_) => "etcd",
+            #[cfg(feature = "zookeeper")]
+            Backend::Zookeeper(_) => "zookeeper",
         }
     }
 }
@@ -270,7 +286,8 @@ fn with_password(url: &str) -> Result<String> {
         feature = "sqlite",
         feature = "redis",
         feature = "postgres",
-        feature = "etcd"
+        feature = "etcd",
+        feature = "zookeeper"
     ),
     allow(dead_code)
 )]
@@ -300,6 +317,8 @@ pub(crate) async fn open(url: &str, cfg: &EngineConfig) -> Result<Opened> {
         Backend::Postgres(u) => postgres::open(u, cfg).await,
         #[cfg(feature = "etcd")]
         Backend::Etcd(u) => etcd::open(u, cfg).await,
+        #[cfg(feature = "zookeeper")]
+        Backend::Zookeeper(u) => zookeeper::open(u, cfg).await,
     }
 }
 
@@ -437,6 +456,7 @@ mod url_tests {
             ("postgresql://h/db?mode=lease", "postgres-lease"),
             ("etcd://h", "etcd"),
             ("etcds://h", "etcd"),
+            ("zk://h/app", "zookeeper"),
         ] {
             match Backend::parse(url) {
                 Ok(b) => assert_eq!(b.engine(), engine, "{url}"),

@@ -9,6 +9,11 @@
 //! and see every change of leader or value; `etcdctl elect -l NAME` sees fencelock's leaders
 //! and fencelock sees `etcdctl elect`'s.
 //!
+//! On ZooKeeper it is the layout of Curator's `LeaderLatch`: candidates are protected
+//! ephemeral sequential `-latch-` nodes under the lock path holding the campaign value, the
+//! leader the first of them, its token that node's czxid; observers are fed by watches, and
+//! Curator's `LeaderLatch` on the same path sees the same leader (see `docs/zookeeper.md`).
+//!
 //! On the other engines (SQLite, Redis, Redlock) an election is what can be built honestly
 //! from their leases: a campaign is an ordinary acquisition (renewed lease, same tokens, same
 //! waiting: no FIFO order unless the engine's fair mode is asked for) whose holder metadata

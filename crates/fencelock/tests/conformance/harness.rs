@@ -73,7 +73,12 @@ pub trait Harness: Sized + Send + 'static {
 }
 
 /// `127.0.0.1:PORT` on a port nothing listens on.
-#[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "etcd",
+    feature = "zookeeper"
+))]
 fn nowhere() -> String {
     format!("127.0.0.1:{}", fencelock_testkit::free_port())
 }
@@ -402,6 +407,63 @@ mod etcd {
         fn unreachable() -> (String, Vec<String>) {
             let at = nowhere();
             (format!("etcd://{at}"), vec![at])
+        }
+    }
+}
+
+#[cfg(feature = "zookeeper")]
+pub use self::zookeeper::ZooKeeper;
+
+#[cfg(feature = "zookeeper")]
+mod zookeeper {
+    use super::*;
+    use fencelock_testkit::ZkEnsemble;
+
+    /// One standalone ZooKeeper server: each check starts its own, and one JVM starts in a
+    /// third of the time of an ensemble's three. The ensemble's failures (leader kills, lost
+    /// quorum) are checked in `tests/zookeeper.rs`.
+    pub struct ZooKeeper(ZkEnsemble);
+
+    impl Harness for ZooKeeper {
+        const ENGINE: &'static str = "zookeeper";
+        const QUIRKS: Quirks = Quirks {
+            // The shortest session the servers grant is two ticks (1 s); a lease's TTL sets
+            // its client's session timeout.
+            short_ttl: Duration::from_secs(1),
+            // A lapsed or dropped lease's node is deleted by its client within a quarter
+            // second of its TTL.
+            expiry_lag: Duration::from_millis(750),
+            // A node lives as long as its session: no time left, no renewal recorded.
+            ttl_left_known: false,
+            renewals_recorded: false,
+            // The limits are checked by each client over its own leases, as on etcd.
+            quota_shared_by_name: false,
+            ..USUAL
+        };
+        const BAD_URLS: &'static [&'static str] = &[
+            "zk://",
+            "zk://127.0.0.1:x",
+            "zk://127.0.0.1:2181/a//b",
+            "zk://127.0.0.1:2181?session_timeout=soon",
+        ];
+
+        fn start() -> ZooKeeper {
+            ZooKeeper(ZkEnsemble::start(1).unwrap())
+        }
+
+        fn url(&self) -> String {
+            self.0.url()
+        }
+
+        fn take_down(&mut self) {
+            for i in 0..self.0.len() {
+                self.0.kill(i);
+            }
+        }
+
+        fn unreachable() -> (String, Vec<String>) {
+            let at = nowhere();
+            (format!("zk://{at}"), vec![at])
         }
     }
 }

@@ -1,0 +1,382 @@
+//! A real ZooKeeper ensemble (N JVMs running `QuorumPeerMain`), or one standalone server, on
+//! loopback for integration tests; and the classpath of Apache Curator for interop peers.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{self, Signal};
+use tempfile::TempDir;
+
+use crate::free_port;
+use crate::proc::{as_pid, env_or, stop};
+
+/// Overrides the `java` found on `PATH`.
+const JAVA_ENV: &str = "FENCELOCK_JAVA";
+/// Overrides `/usr/share/java`, where Debian installs ZooKeeper's and Curator's jars.
+const JARS_ENV: &str = "FENCELOCK_JAVA_LIBS";
+
+const READY_TIMEOUT: Duration = Duration::from_secs(40);
+
+/// ZooKeeper's tick in the ensembles started here: sessions may last 2 to 20 ticks, 1 s to
+/// 10 s.
+pub const ZK_TICK: Duration = Duration::from_millis(500);
+
+/// The jars a ZooKeeper server needs (Debian's `zookeeper` package).
+const SERVER_JARS: &[&str] = &[
+    "zookeeper.jar",
+    "zookeeper-jute.jar",
+    "slf4j-api.jar",
+    "slf4j-nop.jar",
+    "netty-handler.jar",
+    "netty-common.jar",
+    "netty-transport.jar",
+    "netty-buffer.jar",
+    "netty-resolver.jar",
+    "netty-codec.jar",
+    "netty-transport-native-epoll.jar",
+    "netty-transport-native-unix-common.jar",
+];
+
+/// What Curator adds to that (`libcurator-recipes-java`, `libcurator-framework-java`).
+const CURATOR_JARS: &[&str] = &[
+    "curator-client.jar",
+    "curator-framework.jar",
+    "curator-recipes.jar",
+    "guava.jar",
+];
+
+fn jars_dir() -> PathBuf {
+    env_or(JARS_ENV, "/usr/share/java")
+}
+
+fn classpath(jars: &[&[&str]]) -> String {
+    let dir = jars_dir();
+    jars.iter()
+        .flat_map(|set| set.iter())
+        .map(|j| dir.join(j).display().to_string())
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The `java` binary the kit runs.
+pub fn java_bin() -> PathBuf {
+    env_or(JAVA_ENV, "java")
+}
+
+/// The classpath of a Curator client (Curator, ZooKeeper's client and their dependencies),
+/// for a test's own Java program.
+pub fn curator_classpath() -> String {
+    classpath(&[SERVER_JARS, CURATOR_JARS])
+}
+
+/// JVM options that keep a small test JVM cheap on a shared machine: a small heap, the
+/// serial collector and the quick compiler only.
+pub const SMALL_JVM: &[&str] = &[
+    "-Xmx96m",
+    "-Xss512k",
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:CICompilerCount=1",
+];
+
+#[derive(Debug)]
+struct Server {
+    client_port: u16,
+    peer_port: u16,
+    election_port: u16,
+    child: Option<Child>,
+    pid: u32,
+}
+
+/// N ZooKeeper servers on free loopback ports with `tickTime=500` (sessions of 1 s to 2 min:
+/// `maxSessionTimeout=120000` lets the tests' one-minute leases keep their session), each with its own data
+/// directory in one temporary directory (`n == 1` starts a standalone server). Container
+/// nodes left empty are deleted within a second (`znode.container.checkIntervalMs=500`), so
+/// tests can see a lock's parent go and come back. Every server is killed (SIGKILL, paused or
+/// not) and reaped on drop.
+#[derive(Debug)]
+pub struct ZkEnsemble {
+    servers: Vec<Server>,
+    dir: TempDir,
+}
+
+impl ZkEnsemble {
+    /// Starts `n` servers and waits until every one serves clients (`srvr` reports a mode).
+    pub fn start(n: usize) -> io::Result<ZkEnsemble> {
+        let dir = tempfile::Builder::new().prefix("fencelock-zk").tempdir()?;
+        let servers = (0..n)
+            .map(|_| Server {
+                client_port: free_port(),
+                peer_port: free_port(),
+                election_port: free_port(),
+                child: None,
+                pid: 0,
+            })
+            .collect();
+        let mut ensemble = ZkEnsemble { servers, dir };
+        for i in 0..n {
+            ensemble.write_config(i)?;
+            ensemble.launch(i)?;
+        }
+        for i in 0..n {
+            ensemble.wait_serving(i)?;
+        }
+        Ok(ensemble)
+    }
+
+    /// `host:port` of every server, in server order.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.client_port))
+            .collect()
+    }
+
+    /// The ZooKeeper connect string, `h1:p1,h2:p2,...`, as Curator and kazoo take it.
+    pub fn connect_string(&self) -> String {
+        self.endpoints().join(",")
+    }
+
+    /// `zk://h1:p1,h2:p2,...` for every server.
+    pub fn url(&self) -> String {
+        format!("zk://{}", self.connect_string())
+    }
+
+    /// The number of servers.
+    pub fn len(&self) -> usize {
+        self.servers.len()
+    }
+
+    /// Whether the ensemble has no server.
+    pub fn is_empty(&self) -> bool {
+        self.servers.is_empty()
+    }
+
+    /// The pid of server `i`'s current (or last) process.
+    pub fn pid(&self, i: usize) -> u32 {
+        self.servers.get(i).map_or(0, |s| s.pid)
+    }
+
+    /// Kills server `i` with SIGKILL (a crash) and reaps it. Its data stays for a restart.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.servers.get_mut(i).and_then(|s| s.child.take()) {
+            stop(&mut child);
+        }
+    }
+
+    /// Starts server `i` again on the same ports with its data, without waiting.
+    pub fn relaunch(&mut self, i: usize) -> io::Result<()> {
+        self.kill(i);
+        self.launch(i)
+    }
+
+    /// Starts server `i` again and waits until it serves clients (which, in an ensemble,
+    /// needs a quorum of servers up).
+    pub fn restart(&mut self, i: usize) -> io::Result<()> {
+        self.relaunch(i)?;
+        self.wait_serving(i)
+    }
+
+    /// Freezes server `i` with SIGSTOP: its connections stay open and unanswered.
+    pub fn pause(&self, i: usize) -> io::Result<()> {
+        self.signal(i, Signal::SIGSTOP)
+    }
+
+    /// Lets a server frozen by [`ZkEnsemble::pause`] run again.
+    pub fn resume(&self, i: usize) -> io::Result<()> {
+        self.signal(i, Signal::SIGCONT)
+    }
+
+    /// Server `i`'s answer to a four-letter command (`srvr`, `ruok`, `mntr`), or an error
+    /// when it does not answer within a second.
+    pub fn four_letters(&self, i: usize, cmd: &str) -> io::Result<String> {
+        let port = self.servers.get(i).map_or(0, |s| s.client_port);
+        four_letters(port, cmd)
+    }
+
+    /// Server `i`'s mode as `srvr` reports it: `leader`, `follower` or `standalone`.
+    pub fn mode(&self, i: usize) -> Option<String> {
+        let text = self.four_letters(i, "srvr").ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("Mode: "))
+            .map(|m| m.trim().to_owned())
+    }
+
+    /// The index of the server that is leader now (or the standalone server).
+    pub fn leader(&self) -> io::Result<usize> {
+        (0..self.servers.len())
+            .filter(|&i| self.servers[i].child.is_some())
+            .find(|&i| matches!(self.mode(i).as_deref(), Some("leader" | "standalone")))
+            .ok_or_else(|| io::Error::other("no server reports itself leader"))
+    }
+
+    /// Waits until some server is leader again (after a kill or restart), returning it.
+    pub fn wait_leader(&self, within: Duration) -> io::Result<usize> {
+        let start = Instant::now();
+        loop {
+            match self.leader() {
+                Ok(i) => return Ok(i),
+                Err(e) if start.elapsed() > within => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// Waits until server `i` serves clients (its mode is known).
+    pub fn wait_serving(&mut self, i: usize) -> io::Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Some(Some(status)) = self
+                .servers
+                .get_mut(i)
+                .and_then(|s| s.child.as_mut())
+                .map(|c| c.try_wait().ok().flatten())
+            {
+                return Err(io::Error::other(format!(
+                    "ZooKeeper server {i} exited with {status}; log:\n{}",
+                    self.log(i)
+                )));
+            }
+            if self.mode(i).is_some() {
+                return Ok(());
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "ZooKeeper server {i} not serving in time; log:\n{}",
+                        self.log(i)
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The temporary directory holding every server's data and log.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Server `i`'s log so far, for assertion messages.
+    pub fn log(&self, i: usize) -> String {
+        fs::read(self.dir.path().join(format!("{i}/server.log")))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn write_config(&self, i: usize) -> io::Result<()> {
+        let base = self.dir.path().join(i.to_string());
+        fs::create_dir_all(base.join("data"))?;
+        let standalone = self.servers.len() == 1;
+        let s = &self.servers[i];
+        let mut cfg = format!(
+            "tickTime={}\ninitLimit=10\nsyncLimit=5\ndataDir={}\nclientPort={}\n\
+             clientPortAddress=127.0.0.1\nadmin.enableServer=false\n\
+             maxSessionTimeout=120000\n4lw.commands.whitelist=ruok,srvr,stat,mntr\n",
+            ZK_TICK.as_millis(),
+            base.join("data").display(),
+            s.client_port
+        );
+        if !standalone {
+            fs::write(base.join("data/myid"), format!("{}\n", i + 1))?;
+            for (j, peer) in self.servers.iter().enumerate() {
+                cfg.push_str(&format!(
+                    "server.{}=127.0.0.1:{}:{}\n",
+                    j + 1,
+                    peer.peer_port,
+                    peer.election_port
+                ));
+            }
+        }
+        fs::write(base.join("zoo.cfg"), cfg)
+    }
+
+    fn launch(&mut self, i: usize) -> io::Result<()> {
+        let base = self.dir.path().join(i.to_string());
+        let main = if self.servers.len() == 1 {
+            "org.apache.zookeeper.server.ZooKeeperServerMain"
+        } else {
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+        };
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(base.join("server.log"))?;
+        let child = Command::new(java_bin())
+            .args(SMALL_JVM)
+            .arg("-Dznode.container.checkIntervalMs=500")
+            .arg("-Dzookeeper.jmx.log4j.disable=true")
+            .arg("-cp")
+            .arg(classpath(&[SERVER_JARS]))
+            .arg(main)
+            .arg(base.join("zoo.cfg"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot start {}: {e}", java_bin().display()),
+                )
+            })?;
+        let Some(s) = self.servers.get_mut(i) else {
+            return Err(io::Error::other(format!("no server {i}")));
+        };
+        s.pid = child.id();
+        s.child = Some(child);
+        Ok(())
+    }
+
+    fn signal(&self, i: usize, sig: Signal) -> io::Result<()> {
+        match self.servers.get(i).and_then(|s| s.child.as_ref()) {
+            Some(child) => signal::kill(as_pid(child.id()), sig).map_err(io::Error::from),
+            None => Err(io::Error::other(format!(
+                "ZooKeeper server {i} is not running"
+            ))),
+        }
+    }
+}
+
+impl Drop for ZkEnsemble {
+    fn drop(&mut self) {
+        for s in &mut self.servers {
+            if let Some(mut child) = s.child.take() {
+                stop(&mut child);
+            }
+        }
+    }
+}
+
+/// Sends a four-letter command to the ZooKeeper client port `port` on loopback and reads the
+/// answer until the server closes the connection.
+pub fn four_letters(port: u16, cmd: &str) -> io::Result<String> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    stream.write_all(cmd.as_bytes())?;
+    let mut out = String::new();
+    stream.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classpaths_name_debian_jars() {
+        let cp = curator_classpath();
+        assert!(cp.contains("/curator-recipes.jar"), "{cp}");
+        assert!(cp.contains("/zookeeper.jar"), "{cp}");
+        assert_eq!(
+            cp.split(':').count(),
+            SERVER_JARS.len() + CURATOR_JARS.len()
+        );
+    }
+}
