@@ -643,7 +643,10 @@ async fn redlock_forced_release_needs_a_majority() {
     assert!(next.token() > record.counter);
     // The record says where the release could not go; the log keeps what every node wrote.
     assert_eq!(record.not_released_on.len(), 1, "{record:?}");
-    assert!(record.not_released_on[0].contains(&nodes[2].addr()), "{record:?}");
+    assert!(
+        record.not_released_on[0].contains(&nodes[2].addr()),
+        "{record:?}"
+    );
     let mut logged = record.clone();
     logged.not_released_on.clear();
     assert_eq!(ops.audit(Some("r")).await.unwrap(), vec![logged]);
