@@ -418,18 +418,37 @@ async fn latency(slow: usize, rows: &mut Vec<Row>) {
 /// An etcd holder cut off from every member while the other clients are not.
 async fn etcd_holder_cut(rows: &mut Vec<Row>) {
     let cluster = EtcdCluster::start(3).unwrap();
-    let ports: Vec<u16> = cluster
-        .endpoints()
+    // etcd leases are whole seconds.
+    let row = cut_off_from_all(
+        ("etcd", "holder cut off from the cluster"),
+        "etcd",
+        &cluster.endpoints(),
+        Duration::from_secs(1),
+    )
+    .await;
+    rows.push(row);
+    drop(cluster);
+}
+
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+/// A holder cut off from every node of a consensus engine (all its proxies blackholed) after
+/// each grant, while the other clients are not: it learns of the loss, its window ends before
+/// the successor's grant, and its write with the old token is refused.
+async fn cut_off_from_all(
+    (engine, scenario): (&'static str, &'static str),
+    scheme: &'static str,
+    endpoints: &[String],
+    ttl: Duration,
+) -> Row {
+    let ports: Vec<u16> = endpoints
         .iter()
         .map(|e| e.rsplit(':').next().unwrap().parse().unwrap())
         .collect();
     let net = PerWorker::new(&ports);
-    // etcd leases are whole seconds.
-    let ttl = Duration::from_secs(1);
     let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
     let n2 = net.clone();
     run.url_for = Some(Arc::new(move |id| {
-        format!("etcd://{}", n2.addrs_for(id).join(","))
+        format!("{scheme}://{}", n2.addrs_for(id).join(","))
     }));
     let n3 = net.clone();
     run.cut = Some(Arc::new(move |id, on| {
@@ -445,7 +464,7 @@ async fn etcd_holder_cut(rows: &mut Vec<Row>) {
         |_, _, _| std::future::pending(),
     )
     .await;
-    let row = Row::of("etcd", "holder cut off from the cluster", &o);
+    let row = Row::of(engine, scenario, &o);
     assert_safe(&row);
     assert!(row.cycles >= cycles, "{} cycles", row.cycles);
     assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
@@ -454,9 +473,27 @@ async fn etcd_holder_cut(rows: &mut Vec<Row>) {
         "no cut-off write refused: {:?}",
         row.v
     );
-    check_losses(&o, "etcd holder cut off");
+    check_losses(&o, &format!("{engine} {scenario}"));
+    row
+}
+
+#[cfg(feature = "zookeeper")]
+/// A ZooKeeper holder cut off from every server past its session timeout while the other
+/// clients are not: its session expires on the ensemble, which deletes its node, and the next
+/// waiter is granted the lock with a larger czxid; the holder, disconnected, has declared the
+/// lease lost by then.
+async fn zk_holder_cut(rows: &mut Vec<Row>) {
+    let ensemble = fencelock_testkit::ZkEnsemble::start(3).unwrap();
+    // The session timeout follows the TTL (the servers' tickTime is 500 ms: 1 to 10 s).
+    let row = cut_off_from_all(
+        ("zk", "holder cut off past its session"),
+        "zk",
+        &ensemble.endpoints(),
+        Duration::from_secs(1),
+    )
+    .await;
     rows.push(row);
-    drop(cluster);
+    drop(ensemble);
 }
 
 #[cfg(feature = "etcd")]
@@ -622,6 +659,10 @@ async fn partitions() {
     #[cfg(feature = "etcd")]
     if wanted("etcd_holder_cut") {
         etcd_holder_cut(&mut rows).await;
+    }
+    #[cfg(feature = "zookeeper")]
+    if wanted("zk_holder_cut") {
+        zk_holder_cut(&mut rows).await;
     }
     #[cfg(feature = "etcd")]
     if wanted("etcd_leader_isolated") {
