@@ -459,7 +459,8 @@ async fn cut_off_from_all(
     let cycles = if long_form() { 40 } else { 4 };
     let o = execute(
         run,
-        Duration::from_secs(120),
+        // A cycle takes a few seconds here (a TTL, then a session timeout or an idle one).
+        Duration::from_secs(if long_form() { 480 } else { 120 }),
         |s| s.cycles >= cycles,
         |_, _, _| std::future::pending(),
     )
@@ -542,7 +543,8 @@ async fn etcd_leader_isolated(rows: &mut Vec<Row>) {
     let cycles = if long_form() { 20 } else { 2 };
     let o = execute(
         run,
-        Duration::from_secs(120),
+        // A cycle takes a few seconds here (a TTL, then a session timeout or an idle one).
+        Duration::from_secs(if long_form() { 480 } else { 120 }),
         |s| s.cycles >= cycles,
         |_, _, _| std::future::pending(),
     )
@@ -594,7 +596,8 @@ async fn pg_holder_cut(rows: &mut Vec<Row>) {
     let cycles = if long_form() { 40 } else { 4 };
     let o = execute(
         run,
-        Duration::from_secs(120),
+        // A cycle takes a few seconds here (a TTL, then a session timeout or an idle one).
+        Duration::from_secs(if long_form() { 480 } else { 120 }),
         |s| s.cycles >= cycles,
         |_, _, _| std::future::pending(),
     )
