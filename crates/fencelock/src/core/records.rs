@@ -143,3 +143,36 @@ pub(crate) fn publish(tx: &watch::Sender<Option<Leader>>, leader: Option<Leader>
         }
     });
 }
+
+/// `fencelock k=v k=v ...`, values percent-encoded: holder metadata and audit records as the
+/// engines without a structured value (etcd, ZooKeeper) store them, so that `etcdctl get` or
+/// `zkCli.sh get` shows them readably.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) fn encode_fields(fields: &[(&str, String)]) -> String {
+    use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+    let mut out = String::from("fencelock");
+    for (k, v) in fields {
+        out.push(' ');
+        out.push_str(k);
+        out.push('=');
+        out.push_str(&utf8_percent_encode(v, NON_ALPHANUMERIC).to_string());
+    }
+    out
+}
+
+/// The fields of a value [`encode_fields`] made; `None` for anything else.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) fn decode_fields(value: &[u8]) -> Option<std::collections::HashMap<String, String>> {
+    use percent_encoding::percent_decode_str;
+    let text = std::str::from_utf8(value).ok()?;
+    let rest = text.strip_prefix("fencelock")?;
+    let mut fields = std::collections::HashMap::new();
+    for pair in rest.split_whitespace() {
+        let (k, v) = pair.split_once('=')?;
+        fields.insert(
+            k.to_owned(),
+            percent_decode_str(v).decode_utf8().ok()?.into_owned(),
+        );
+    }
+    Some(fields)
+}

@@ -10,13 +10,13 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp};
-use percent_encoding::{percent_decode_str, utf8_percent_encode, NON_ALPHANUMERIC};
 
 use super::queue::token_of;
 use super::{keys, EtcdEngine};
 use crate::core::error::Result;
 use crate::core::holder::{from_unix_millis, unix_millis, Holder};
-use crate::core::records::{AuditRecord, HeldLock};
+pub(super) use crate::core::records::encode_fields;
+use crate::core::records::{decode_fields, AuditRecord, HeldLock};
 use crate::core::token::FencingToken;
 
 impl EtcdEngine {
@@ -138,32 +138,6 @@ impl EtcdEngine {
 /// The owner shown for a key written by another etcd client (`etcdctl lock`): its lease.
 fn lease_owner(lease: i64) -> String {
     format!("etcd lease {lease:x}")
-}
-
-/// `fencelock k=v k=v ...`, values percent-encoded.
-pub(super) fn encode_fields(fields: &[(&str, String)]) -> String {
-    let mut out = String::from("fencelock");
-    for (k, v) in fields {
-        out.push(' ');
-        out.push_str(k);
-        out.push('=');
-        out.push_str(&utf8_percent_encode(v, NON_ALPHANUMERIC).to_string());
-    }
-    out
-}
-
-fn decode_fields(value: &[u8]) -> Option<HashMap<String, String>> {
-    let text = std::str::from_utf8(value).ok()?;
-    let rest = text.strip_prefix("fencelock")?;
-    let mut fields = HashMap::new();
-    for pair in rest.split_whitespace() {
-        let (k, v) = pair.split_once('=')?;
-        fields.insert(
-            k.to_owned(),
-            percent_decode_str(v).decode_utf8().ok()?.into_owned(),
-        );
-    }
-    Some(fields)
 }
 
 fn parse_meta(value: &[u8]) -> Option<Holder> {

@@ -11,9 +11,6 @@
 //!   persistent sequential node under `<prefix>%audit/<esc(name)>/`. The record's counter is
 //!   that node's czxid: above the old holder's token, below every later grant's.
 
-use std::collections::HashMap;
-
-use percent_encoding::{percent_decode_str, utf8_percent_encode, NON_ALPHANUMERIC};
 use zookeeper_client::{CreateMode, Error as ZkError, Stat};
 
 use super::call::{ok, zk_error};
@@ -22,7 +19,8 @@ use super::session::Session;
 use super::ZkEngine;
 use crate::core::error::Result;
 use crate::core::holder::{from_unix_millis, unix_millis, Holder};
-use crate::core::records::{AuditRecord, HeldLock};
+pub(super) use crate::core::records::encode_fields;
+use crate::core::records::{decode_fields, AuditRecord, HeldLock};
 use crate::core::token::FencingToken;
 
 impl ZkEngine {
@@ -212,32 +210,6 @@ pub(super) fn holder_of(child: &str, data: &[u8], stat: &Stat) -> Holder {
     });
     h.token = FencingToken::checked_from_stored(stat.czxid);
     h
-}
-
-/// `fencelock k=v k=v ...`, values percent-encoded.
-pub(super) fn encode_fields(fields: &[(&str, String)]) -> String {
-    let mut out = String::from("fencelock");
-    for (k, v) in fields {
-        out.push(' ');
-        out.push_str(k);
-        out.push('=');
-        out.push_str(&utf8_percent_encode(v, NON_ALPHANUMERIC).to_string());
-    }
-    out
-}
-
-fn decode_fields(value: &[u8]) -> Option<HashMap<String, String>> {
-    let text = std::str::from_utf8(value).ok()?;
-    let rest = text.strip_prefix("fencelock")?;
-    let mut fields = HashMap::new();
-    for pair in rest.split_whitespace() {
-        let (k, v) = pair.split_once('=')?;
-        fields.insert(
-            k.to_owned(),
-            percent_decode_str(v).decode_utf8().ok()?.into_owned(),
-        );
-    }
-    Some(fields)
 }
 
 fn parse_meta(value: &[u8]) -> Option<Holder> {
