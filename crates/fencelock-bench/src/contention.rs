@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use fencelock::{Client, ErrorKind, LockOptions};
+use fencelock::{ErrorKind, LockOptions};
 use tokio::sync::{mpsc, oneshot, Barrier};
-use tokio::time::Instant;
 
 use crate::cli::{connect, fail, BackendArg};
-use crate::plumbing::{bounded, dur, rate, ratio_text, Samples, Stop};
+use crate::harness::{worker, Contention, Fencelock, ReleaseStart, WorkerTimes};
+use crate::plumbing::{bounded, dur, rate, ratio_text, Stop};
 use crate::servers::{CommandStats, Servers};
 use crate::uncontended::PairTimes;
 use crate::{runtime, Bench, LibResult, CLIENT_NAME};
@@ -197,39 +197,6 @@ impl Bench<'_> {
     }
 }
 
-struct Contention {
-    per_s: f64,
-    handoff: Samples,
-    wait: Samples,
-    min: u64,
-    max: u64,
-    hold_mean: Duration,
-    idle: f64,
-    timeouts: u64,
-    /// Server requests per acquisition, summed over nodes; Redis engines only.
-    requests_per_acq: Option<f64>,
-}
-
-impl Contention {
-    fn ratio(&self) -> Option<f64> {
-        (self.min > 0).then(|| self.max as f64 / self.min as f64)
-    }
-}
-
-#[derive(Default)]
-struct WorkerTimes {
-    /// Acquisitions inside the timed window.
-    acquired: u64,
-    /// Every acquisition, the ones finishing after the window included.
-    all_acquired: u64,
-    waits: Vec<Duration>,
-    handoffs: Vec<Duration>,
-    held: Duration,
-    timeouts: u64,
-}
-
-type ReleaseStart = Arc<Mutex<Option<Instant>>>;
-
 /// [`contend`], with the servers' request counters read around it.
 async fn contend_counted(
     crew: &Crew,
@@ -242,7 +209,7 @@ async fn contend_counted(
         Some(s) => s.commandstats().await.ok(),
         None => None,
     };
-    let (mut c, all_acquired) = contend(crew, name, fair, dur).await?;
+    let mut c = contend(crew, name, fair, dur).await?;
     if let (Some(s), Some(before)) = (servers, before) {
         if let Ok(after) = s.commandstats().await {
             let mut requests = 0;
@@ -252,16 +219,16 @@ async fn contend_counted(
                     .await
                     .unwrap_or(0);
             }
-            if all_acquired > 0 {
-                c.requests_per_acq = Some(requests as f64 / all_acquired as f64);
+            if c.all_acquired > 0 {
+                c.requests_per_acq = Some(requests as f64 / c.all_acquired as f64);
             }
         }
     }
     Ok(c)
 }
 
-/// Returns the figures and the number of acquisitions in all (the window's and the stragglers').
-async fn contend(crew: &Crew, name: &str, fair: bool, dur: Duration) -> Result<(Contention, u64)> {
+/// Every worker of the crew on `name` for `dur`, through the harness' [`worker`].
+async fn contend(crew: &Crew, name: &str, fair: bool, dur: Duration) -> Result<Contention> {
     let opts = LockOptions::default().wait(CONTENTION_WAIT).fair(fair);
     let released_at: ReleaseStart = Arc::new(Mutex::new(None));
     let go = Arc::new(Barrier::new(crew.len()));
@@ -282,78 +249,7 @@ async fn contend(crew: &Crew, name: &str, fair: bool, dur: Duration) -> Result<(
         answers.push(rx);
     }
     // Every worker bounds its own run; this only waits for their answers.
-    let workers = gather(answers).await?;
-    let mut handoffs = Vec::new();
-    let mut waits = Vec::new();
-    let mut held = Duration::ZERO;
-    let (mut total, mut timeouts, mut all_acquired) = (0, 0, 0);
-    for w in &workers {
-        all_acquired += w.all_acquired;
-        handoffs.extend_from_slice(&w.handoffs);
-        waits.extend_from_slice(&w.waits);
-        held += w.held;
-        total += w.acquired;
-        timeouts += w.timeouts;
-    }
-    let counts = workers.iter().map(|w| w.acquired);
-    let contention = Contention {
-        per_s: total as f64 / dur.as_secs_f64(),
-        handoff: Samples::new(handoffs),
-        wait: Samples::new(waits),
-        min: counts.clone().min().unwrap_or(0),
-        max: counts.max().unwrap_or(0),
-        hold_mean: if total > 0 {
-            held / u32::try_from(total).unwrap_or(u32::MAX)
-        } else {
-            Duration::ZERO
-        },
-        idle: (1.0 - held.as_secs_f64() / dur.as_secs_f64()).max(0.0),
-        timeouts,
-        requests_per_acq: None,
-    };
-    Ok((contention, all_acquired))
-}
-
-async fn worker(
-    client: &Client,
-    name: &str,
-    opts: &LockOptions,
-    dur: Duration,
-    released_at: &ReleaseStart,
-    stop: &Stop,
-) -> LibResult<WorkerTimes> {
-    let mut w = WorkerTimes::default();
-    let end = Instant::now() + dur;
-    while Instant::now() < end && !stop.is_set() {
-        let asked = Instant::now();
-        let lease = match client.acquire(name, opts).await {
-            Ok(lease) => lease,
-            Err(e) if e.kind() == ErrorKind::TimedOut => {
-                w.timeouts += 1;
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let got = Instant::now();
-        w.all_acquired += 1;
-        let handoff_from = lock(released_at).take();
-        let in_window = got < end;
-        if in_window {
-            w.acquired += 1;
-            w.waits.push(got - asked);
-            if let Some(from) = handoff_from {
-                w.handoffs.push(got - from);
-            }
-        }
-        hold(HOLD).await;
-        let releasing = Instant::now();
-        if in_window {
-            w.held += releasing.min(end) - got;
-        }
-        *lock(released_at) = Some(releasing);
-        lease.release().await?;
-    }
-    Ok(w)
+    Ok(Contention::of(&gather(answers).await?, dur))
 }
 
 /// The contention workers, one thread each with a single-threaded runtime and a Client of its
@@ -505,7 +401,11 @@ async fn crew_member(
             } => {
                 let run = bounded(dur + CONTENTION_WAIT, async {
                     go.wait().await;
-                    worker(&client, &name, &opts, dur, &released_at, &stop).await
+                    let lib = Fencelock {
+                        client: client.clone(),
+                        opts,
+                    };
+                    worker(&lib, &name, HOLD, dur, &released_at, &stop).await
                 })
                 .await;
                 let _ = answer.send(run);
@@ -551,22 +451,5 @@ async fn gather<T>(answers: Vec<oneshot::Receiver<Result<LibResult<T>>>>) -> Res
     match first_error {
         Some(e) => Err(e),
         None => Ok(out),
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Holds for `d` as precisely as the scheduler allows. Tokio's timer wheel has 1 ms ticks and
-/// rounds deadlines up, so `sleep(1ms)` holds about 2 ms and would measure the timer rather
-/// than the lock; the last stretch is spent yielding to other tasks instead.
-async fn hold(d: Duration) {
-    let until = Instant::now() + d;
-    if d > Duration::from_millis(2) {
-        tokio::time::sleep(d - Duration::from_millis(2)).await;
-    }
-    while Instant::now() < until {
-        tokio::task::yield_now().await;
     }
 }

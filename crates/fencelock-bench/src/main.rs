@@ -10,7 +10,9 @@
 //! engine the URL names and what the sections need of it, `servers` reaches the Redis nodes
 //! directly, `runtime` gives a run a thread of its own, `plumbing` holds what every section
 //! shares (the output, the formatting of figures, the Ctrl-C flag and the bound on each phase)
-//! and `cli` the options and exit codes it keeps in common with `fencelock`.
+//! and `cli` the options and exit codes it keeps in common with `fencelock`. `harness` holds
+//! the loops that drive a lock library, fencelock or a peer, and `peers` is the `peers`
+//! subcommand: fencelock and rslock side by side on the same Redis servers.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -26,6 +28,9 @@ mod engine;
 mod etcd;
 #[cfg(feature = "redis")]
 mod floor;
+mod harness;
+#[cfg(feature = "redis")]
+mod peers;
 mod plumbing;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -59,9 +64,12 @@ const PHASE_SLACK: Duration = Duration::from_secs(40);
              and a reference run on the same server",
     after_help = "Exit codes, as fencelock's: 64 invalid input, 69 engine unavailable, 75 a lock \
                   not granted in time, 79 a lease lost; 130 after Ctrl-C (leases are still \
-                  released and the bench's keys deleted)."
+                  released and the bench's keys deleted).",
+    args_conflicts_with_subcommands = true
 )]
 struct BenchArgs {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     backend: BackendArg,
     /// Length of each timed run (uncontended and contention), in seconds.
@@ -74,6 +82,14 @@ struct BenchArgs {
     /// Print the figures as one JSON object instead of tables.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// fencelock and rslock side by side on the same Redis node(s) in one run, through one
+    /// harness, interleaved round by round; fencelock's figures as ratios of rslock's.
+    #[cfg(feature = "redis")]
+    Peers(peers::PeersArgs),
 }
 
 fn main() -> ExitCode {
@@ -105,7 +121,12 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::UNAVAILABLE);
         }
     };
-    match runtime.block_on(bench(args)) {
+    let run = match args.command {
+        #[cfg(feature = "redis")]
+        Some(Command::Peers(peers)) => runtime.block_on(peers::run(peers)),
+        None => runtime.block_on(bench(args)),
+    };
+    match run {
         Ok(code) => ExitCode::from(code),
         Err(e) => match e.downcast_ref::<Exit>() {
             Some(Exit(code)) => ExitCode::from(*code),

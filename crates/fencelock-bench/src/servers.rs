@@ -127,6 +127,45 @@ impl Servers {
         Ok(all)
     }
 
+    /// Deletes every key matching `pattern` on every node (SCAN, then UNLINK in batches), for
+    /// keys written by a library whose key names the bench does not derive itself. Returns
+    /// how many were deleted.
+    pub(crate) async fn unlink_matching(&self, pattern: &str) -> std::result::Result<u64, String> {
+        let mut deleted = 0;
+        for node in 0..self.conns.len() {
+            let mut cursor = "0".to_owned();
+            loop {
+                let (next, keys) = self.scan(node, &cursor, pattern).await?;
+                if !keys.is_empty() {
+                    let mut args = vec!["UNLINK"];
+                    args.extend(keys.iter().map(String::as_str));
+                    deleted += self.int(node, &args).await?;
+                }
+                if next == "0" {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(deleted)
+    }
+
+    async fn scan(
+        &self,
+        node: usize,
+        cursor: &str,
+        pattern: &str,
+    ) -> std::result::Result<(String, Vec<String>), String> {
+        let (Some(conn), Some(addr)) = (self.conns.get(node), self.addrs.get(node)) else {
+            return Err(format!("no node {node}"));
+        };
+        match tokio::time::timeout(NODE_TIMEOUT, scan_node(conn, cursor, pattern)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(format!("{addr}: SCAN: {e}")),
+            Err(_) => Err(format!("{addr}: no answer within 5s")),
+        }
+    }
+
     /// Deletes the keys of every name the bench used (fencing counters, metadata, queues) on
     /// every node, and redis-benchmark's SET key if the bench created it. The names carry a
     /// random run id, so nothing else can be using these counters.
@@ -169,16 +208,25 @@ impl Servers {
     }
 }
 
-/// One node's connection, built by the library from the node's URL, TLS settings included.
+/// The redis crate's client of every node of a `redis://` or `redlock://` URL, built by the
+/// library from the URL, TLS settings and credentials included.
 #[cfg(feature = "redis")]
-pub(crate) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
-    let client = match fencelock::Backend::parse(url) {
+pub(crate) fn node_clients(url: &str) -> std::result::Result<Vec<redis::Client>, String> {
+    match fencelock::Backend::parse(url) {
         Ok(fencelock::Backend::Redis(u)) => u.clients().map_err(|e| e.to_string()),
         Ok(_) => Err("not a Redis URL".to_owned()),
         Err(e) => Err(e.to_string()),
     }
-    .and_then(|mut c| c.pop().ok_or_else(|| "no node in the URL".to_owned()))
-    .map_err(|e| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "node URL", e)))?;
+}
+
+/// One node's connection, built by the library from the node's URL, TLS settings included.
+#[cfg(feature = "redis")]
+pub(crate) async fn open_node(url: &str) -> redis::RedisResult<NodeConn> {
+    let client = node_clients(url)
+        .and_then(|mut c| c.pop().ok_or_else(|| "no node in the URL".to_owned()))
+        .map_err(|e| {
+            redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "node URL", e))
+        })?;
     client.get_multiplexed_async_connection().await
 }
 
@@ -193,6 +241,32 @@ async fn call_node(conn: &NodeConn, args: &[&str]) -> redis::RedisResult<Reply> 
         redis::Value::Int(i) => Reply::Int(i),
         other => Reply::Text(redis::from_redis_value(other)?),
     })
+}
+
+#[cfg(feature = "redis")]
+async fn scan_node(
+    conn: &NodeConn,
+    cursor: &str,
+    pattern: &str,
+) -> redis::RedisResult<(String, Vec<String>)> {
+    let mut conn = conn.clone();
+    redis::cmd("SCAN")
+        .arg(cursor)
+        .arg("MATCH")
+        .arg(pattern)
+        .arg("COUNT")
+        .arg(1000)
+        .query_async(&mut conn)
+        .await
+}
+
+#[cfg(not(feature = "redis"))]
+async fn scan_node(
+    _: &NodeConn,
+    _: &str,
+    _: &str,
+) -> std::result::Result<(String, Vec<String>), String> {
+    Err("this build of fencelock lacks the `redis` feature".to_owned())
 }
 
 /// Which of `names` carry the `noscript` flag: commands a script cannot run, so every call

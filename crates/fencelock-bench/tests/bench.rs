@@ -242,3 +242,134 @@ fn bench_on_password_protected_redis_and_postgres_shows_no_password() {
         out.stdout
     );
 }
+
+/// The figures every `peers --json` run gives, under `fencelock.`, `rslock.` (not `fair.`:
+/// rslock has one mode) and `ratio.`, and per round under `round.1.`.
+fn peers_keys(engine: &str) -> Vec<String> {
+    let seq = ["pairs_per_s", "acquire_p50_us", "release_p50_us"];
+    let mode = [
+        "acquisitions_per_s",
+        "handoff_p50_us",
+        "handoff_over_round_trip",
+        "wait_p99_us",
+        "worker_max_over_min",
+        "hold_mean_us",
+        "utilisation",
+    ];
+    let mut fencelock: Vec<String> = seq.iter().map(|k| format!("sequential.{k}")).collect();
+    let mut rslock = fencelock.clone();
+    for k in mode {
+        fencelock.push(format!("default.{k}"));
+        fencelock.push(format!("fair.{k}"));
+        rslock.push(format!("default.{k}"));
+    }
+    let mut keys = vec![
+        "round_trip_p50_us".to_owned(),
+        "round.1.round_trip_p50_us".to_owned(),
+    ];
+    keys.extend([
+        "clean_up.deleted_keys".to_owned(),
+        "rslock.retry_delay_ms".to_owned(),
+    ]);
+    for k in &fencelock {
+        keys.extend([
+            format!("fencelock.{k}"),
+            format!("ratio.{k}"),
+            format!("round.1.fencelock.{k}"),
+        ]);
+    }
+    for k in &rslock {
+        keys.extend([format!("rslock.{k}"), format!("round.1.rslock.{k}")]);
+    }
+    let targets: &[&str] = if engine == "redlock" {
+        &[
+            "sequential",
+            "default_acquisitions",
+            "fair_acquisitions",
+            "fair_max_over_min",
+            "fair_wait_p99",
+        ]
+    } else {
+        keys.push("fencelock.default_over_fair".to_owned());
+        &[
+            "sequential",
+            "fair_utilisation",
+            "fair_handoff",
+            "default_vs_fair",
+        ]
+    };
+    keys.extend(targets.iter().map(|t| format!("target.{t}")));
+    keys
+}
+
+/// `peers` on Redlock and on one node: every figure of both libraries is there, positive and
+/// finite, and neither library leaves a key of the run behind.
+#[test]
+fn peers_measures_fencelock_and_rslock_side_by_side_and_cleans_up() {
+    let nodes = fencelock_testkit::start_redis_nodes(3).unwrap();
+    let single = RedisServer::start().unwrap();
+    let runs = [
+        ("redlock", fencelock_testkit::redlock_url(&nodes)),
+        ("redis", single.url()),
+    ];
+    // Both at once: each run is timed by wall clock (5 timed runs of 1 s), so in parallel the
+    // test takes the time of one.
+    let outputs: Vec<(&str, Finished)> = std::thread::scope(|s| {
+        let handles: Vec<_> = runs
+            .iter()
+            .map(|(engine, url)| {
+                s.spawn(move || {
+                    let dir = tempfile::tempdir().unwrap();
+                    let args = ["peers", "--backend", url, "--seconds", "1", "--rounds", "1"];
+                    (
+                        *engine,
+                        bench(dir.path(), &[&args[..], &["--json"]].concat()),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (engine, out) in &outputs {
+        assert_eq!(
+            out.code(),
+            Some(0),
+            "{engine}: {}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        let parsed = serde_json::from_str::<serde_json::Value>(out.stdout.trim());
+        assert!(
+            parsed.is_ok(),
+            "{engine}: not one JSON object: {}",
+            out.stdout
+        );
+        let json = parsed.unwrap();
+        assert_eq!(json["engine"], *engine, "{json}");
+        for key in peers_keys(engine) {
+            let v = &json[&key];
+            if key.starts_with("target.") {
+                assert!(*v == "met" || *v == "missed", "{engine}: {key} = {v}");
+                continue;
+            }
+            // A worker that got the lock not once in a 1 s run has no max/min (null), which a
+            // busy test machine can cause for a barging lock.
+            if key.ends_with("worker_max_over_min") && v.is_null() {
+                continue;
+            }
+            let n = v.as_f64();
+            assert!(
+                n.is_some_and(|n| n.is_finite() && n > 0.0),
+                "{engine}: {key} = {v} in {json}"
+            );
+        }
+    }
+    // The library's one shared node marker (`<prefix>node`, written by every fencelock client)
+    // is not the run's; nothing else may be left.
+    for server in nodes.iter().chain([&single]) {
+        let keys = server.cli(&["--scan", "--pattern", "*"]).unwrap();
+        let keys = String::from_utf8_lossy(&keys.stdout);
+        let left: Vec<&str> = keys.lines().filter(|k| *k != "fencelock:v1:node").collect();
+        assert!(left.is_empty(), "keys left on {}: {left:?}", server.addr());
+    }
+}
