@@ -130,6 +130,7 @@ impl Servers {
     /// Deletes every key matching `pattern` on every node (SCAN, then UNLINK in batches), for
     /// keys written by a library whose key names the bench does not derive itself. Returns
     /// how many were deleted.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) async fn unlink_matching(&self, pattern: &str) -> std::result::Result<u64, String> {
         let mut deleted = 0;
         for node in 0..self.conns.len() {
@@ -150,6 +151,7 @@ impl Servers {
         Ok(deleted)
     }
 
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     async fn scan(
         &self,
         node: usize,
@@ -261,6 +263,7 @@ async fn scan_node(
 }
 
 #[cfg(not(feature = "redis"))]
+#[allow(dead_code)]
 async fn scan_node(
     _: &NodeConn,
     _: &str,

@@ -3,7 +3,6 @@
 //! `lock` until it succeeds) bounded by the same wait as fencelock's for contention, and
 //! `release`, which deletes the key on every node by a compare-owner script.
 
-use std::future::Future;
 use std::time::Duration;
 
 use rslock::{LockError, LockGuard, LockManager};
@@ -45,37 +44,24 @@ impl LockLib for Rslock {
     type Guard = LockGuard;
     type Error = LockError;
 
-    fn try_acquire<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> impl Future<Output = Result<LockGuard, LockError>> + Send + 'a {
-        async move {
-            let lock = self.manager.lock(name.as_bytes(), self.ttl).await?;
-            Ok(LockGuard { lock })
+    async fn try_acquire(&self, name: &str) -> Result<LockGuard, LockError> {
+        let lock = self.manager.lock(name.as_bytes(), self.ttl).await?;
+        Ok(LockGuard { lock })
+    }
+
+    async fn acquire(&self, name: &str) -> Result<Option<LockGuard>, LockError> {
+        // rslock's acquire loops until it wins; the wait bounds it as fencelock's `wait`
+        // bounds fencelock's. A cancelled attempt may leave its key on a node until the TTL,
+        // which the run's clean-up deletes.
+        match tokio::time::timeout(self.wait, self.manager.acquire(name.as_bytes(), self.ttl)).await
+        {
+            Ok(guard) => guard.map(Some),
+            Err(_) => Ok(None),
         }
     }
 
-    fn acquire<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> impl Future<Output = Result<Option<LockGuard>, LockError>> + Send + 'a {
-        async move {
-            // rslock's acquire loops until it wins; the wait bounds it as fencelock's
-            // `wait` bounds fencelock's. A cancelled attempt may leave its key on a node
-            // until the TTL, which the run's clean-up deletes.
-            match tokio::time::timeout(self.wait, self.manager.acquire(name.as_bytes(), self.ttl))
-                .await
-            {
-                Ok(guard) => guard.map(Some),
-                Err(_) => Ok(None),
-            }
-        }
-    }
-
-    fn release(&self, guard: LockGuard) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
-        async move {
-            guard.release().await;
-            Ok(())
-        }
+    async fn release(&self, guard: LockGuard) -> Result<(), LockError> {
+        guard.release().await;
+        Ok(())
     }
 }
