@@ -44,6 +44,9 @@ pub(super) struct Hold {
     pub(super) session: i64,
     pub(super) key: String,
     pub(super) phase: Phase,
+    /// Turns true once the creating task has settled the outcome (and deleted the key of an
+    /// acquisition released meanwhile).
+    settled: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Hold {
@@ -53,6 +56,7 @@ impl Hold {
             session,
             key,
             phase: Phase::Picked,
+            settled: None,
         }
     }
 
@@ -86,13 +90,15 @@ impl EtcdEngine {
         txn: Txn,
         parse: fn(etcd_client::TxnResponse) -> Result<Enqueued>,
     ) -> Result<Enqueued> {
-        let (session, key) = {
+        let (session, key, settled) = {
             let mut st = self.state();
             let Some(h) = st.holds.get_mut(owner) else {
                 return Err(super::session::session_expired());
             };
             h.phase = Phase::Enqueuing { abandoned: false };
-            (h.session, h.key.clone())
+            let (tx, rx) = tokio::sync::watch::channel(false);
+            h.settled = Some(rx);
+            (h.session, h.key.clone(), tx)
         };
         let Some(me) = self.this.upgrade() else {
             return Err(Error::engine_failure(KIND, "the etcd client was closed"));
@@ -101,6 +107,7 @@ impl EtcdEngine {
         let task = tokio::spawn(async move {
             let outcome = me.txn("enqueue", txn).await.and_then(parse);
             me.settle(&owner, session, &key, &outcome).await;
+            let _ = settled.send(true);
             outcome
         });
         task.await.unwrap_or_else(|e| {
@@ -163,11 +170,22 @@ impl EtcdEngine {
                 return Ok(false);
             };
             if let Phase::Enqueuing { abandoned } = &mut h.phase {
-                // The creating task deletes the key once etcd answers.
                 *abandoned = true;
+                h.settled.clone()
+            } else {
+                None
+            }
+            .ok_or_else(|| h.clone())
+        };
+        let hold = match hold {
+            // The creating task deletes the key once etcd answers; the release ends with it,
+            // so that `Client::close` waits for that too. The task's call is bounded.
+            Ok(mut settled) => {
+                let limit = self.op_timeout.saturating_mul(2);
+                let _ = tokio::time::timeout(limit, settled.wait_for(|done| *done)).await;
                 return Ok(false);
             }
-            h.clone()
+            Err(hold) => hold,
         };
         let deleted = match hold.phase {
             Phase::Queued(rev) => self.delete_key(&hold.key, rev).await,
