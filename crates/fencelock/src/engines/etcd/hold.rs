@@ -72,7 +72,7 @@ impl Hold {
 
 /// What one keep-alive of a session found.
 #[derive(Debug, PartialEq, Eq)]
-enum Kept {
+pub(super) enum Kept {
     Alive,
     Lost,
     Failed(String),
@@ -247,19 +247,6 @@ impl EtcdEngine {
             .unwrap_or(false))
     }
 
-    /// Whether `key` exists; errors count as "exists" (nothing is concluded from silence).
-    pub(super) async fn key_exists(&self, key: &str) -> bool {
-        let read = self.get(
-            "read the waiter key",
-            key,
-            GetOptions::new().with_count_only(),
-        );
-        match read.await {
-            Ok(r) => r.count() > 0,
-            Err(_) => true,
-        }
-    }
-
     /// Renews every lease of the batch: one keep-alive per session, one read of the keys.
     pub(super) async fn renew(&self, batch: &[Renewal]) -> Result<Vec<Renewed>> {
         let held: Vec<Option<(i64, String, i64)>> = {
@@ -334,7 +321,7 @@ impl EtcdEngine {
     /// After a keep-alive said session `id` is gone: lost when no key of it is left (it is
     /// ended, with every lease on it); a failed renewal while its keys still exist (a raft
     /// leader elected a moment ago may not have applied it yet).
-    async fn session_gone_or_lagging(&self, id: i64, reason: String) -> Kept {
+    pub(super) async fn session_gone_or_lagging(&self, id: i64, reason: String) -> Kept {
         let keys: Vec<(String, i64)> = {
             let st = self.state();
             st.holds

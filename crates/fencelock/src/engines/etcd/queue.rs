@@ -179,7 +179,7 @@ impl WaitQueue for EtcdEngine {
         }
         tokio::select! {
             r = self.wait_deletes(&req.name, rev) => r?,
-            e = self.keep_queued_alive(lease, &key, req.ttl) => return Err(e.with_resource(&req.name)),
+            e = self.keep_queued_alive(lease, req.ttl) => return Err(e.with_resource(&req.name)),
             _ = tokio::time::sleep_until(deadline) => {
                 let head = self.head(&req.name).await.ok().flatten();
                 return Ok((held(self.holder_in(head.as_ref()).await), started));

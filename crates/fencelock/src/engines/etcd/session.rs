@@ -33,7 +33,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::call::{etcd_error, retrying, tries};
-use super::hold::Hold;
+use super::hold::{Hold, Kept};
 use super::{EtcdEngine, KIND};
 use crate::core::error::{Error, Result};
 use crate::core::options::renew_interval;
@@ -107,11 +107,12 @@ impl EtcdEngine {
                     }
                     Err(e) => {
                         self.forget_hold(owner);
-                        if !lease_gone(&e) {
-                            return Err(etcd_error("keep the session alive", e));
+                        if lease_gone(&e)
+                            && self.session_gone_or_lagging(id, String::new()).await == Kept::Lost
+                        {
+                            continue;
                         }
-                        self.session_lost(id);
-                        continue;
+                        return Err(etcd_error("keep the session alive", e));
                     }
                 }
             }
@@ -235,11 +236,15 @@ impl EtcdEngine {
             .filter(|(_, h)| h.session == id && !h.enqueuing())
             .map(|(o, _)| o.clone())
             .collect();
+        // A session with no key left on it expired or is about to: revoking it frees nothing.
+        let had_keys = st.holds.values().any(|h| h.session == id);
         for owner in lost {
             st.holds.remove(&owner);
             let _ = self.losses.send(owner);
         }
-        self.revoke_in_background(id);
+        if had_keys {
+            self.revoke_in_background(id);
+        }
     }
 
     /// Stops session `id` from taking new keys: a key on it may appear whose creation went
@@ -293,7 +298,7 @@ impl EtcdEngine {
     /// Keeps a queued acquisition's session alive every TTL/3 while it waits (the watchdog
     /// renews held leases only). Returns the error that ended it: the session is gone, or no
     /// keep-alive was confirmed for a whole TTL.
-    pub(super) async fn keep_queued_alive(&self, id: i64, key: &str, ttl: Duration) -> Error {
+    pub(super) async fn keep_queued_alive(&self, id: i64, ttl: Duration) -> Error {
         let mut confirmed = Instant::now();
         loop {
             tokio::time::sleep(renew_interval(ttl)).await;
@@ -303,8 +308,10 @@ impl EtcdEngine {
                     self.confirm(id, sent);
                     confirmed = sent;
                 }
-                Err(e) if lease_gone(&e) && !self.key_exists(key).await => {
-                    self.session_lost(id);
+                Err(e)
+                    if lease_gone(&e)
+                        && self.session_gone_or_lagging(id, String::new()).await == Kept::Lost =>
+                {
                     return session_expired();
                 }
                 Err(e) if confirmed.elapsed() >= ttl => {
