@@ -3,9 +3,11 @@
 //!
 //! The reference is plain `Put`s on keys under `/fencelock-bench/<run>/`, one client doing them
 //! one after another, then 64 tasks sharing that client (as the lock runs share theirs). Every
-//! Put is one raft proposal; an uncontended fencelock acquire+release on etcd is four (lease
-//! grant, the enqueue transaction, the owner-checked delete, the lease revocation), so a pair
-//! rate near a quarter of the put rate means the lock adds nothing of its own.
+//! Put is one raft proposal; an uncontended fencelock acquire+release on etcd is two (the
+//! enqueue transaction on the client's session, the owner-checked delete), so a pair rate near
+//! half the put rate means the lock adds nothing of its own. The bench counts those writes
+//! rather than trusting this: etcd's `etcd_server_proposals_committed_total` (its `/metrics`
+//! on the first endpoint) before and after a run of sequential pairs.
 
 use std::time::Duration;
 
@@ -18,12 +20,18 @@ use crate::plumbing::{rate, Out, Stop};
 use crate::uncontended::Uncontended;
 use crate::CONCURRENT_TASKS;
 
-/// The raft proposals one uncontended acquire+release costs on etcd.
-const WRITES_PER_PAIR: f64 = 4.0;
+/// The raft proposals one uncontended acquire+release costs on etcd, when they cannot be
+/// counted (no `/metrics` over plain HTTP on the first endpoint).
+const WRITES_PER_PAIR: f64 = 2.0;
+
+/// Sequential pairs whose raft writes are counted.
+const COUNTED_PAIRS: u32 = 50;
 
 pub(crate) struct EtcdReference {
     client: etcd_client::Client,
     base: String,
+    /// `host:port` of the first member, whose `/metrics` counts raft proposals.
+    metrics_at: String,
 }
 
 impl EtcdReference {
@@ -49,7 +57,58 @@ impl EtcdReference {
         Ok(EtcdReference {
             client,
             base: format!("/fencelock-bench/{run}/"),
+            metrics_at: target
+                .endpoints
+                .first()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
         })
+    }
+
+    /// etcd's count of raft proposals committed, read from the first member's `/metrics`.
+    async fn proposals(&self) -> Result<u64, String> {
+        let at = self.metrics_at.clone();
+        let read = tokio::task::spawn_blocking(move || -> Result<u64, String> {
+            use std::io::{Read, Write};
+            let addr = std::net::ToSocketAddrs::to_socket_addrs(&at)
+                .map_err(|e| e.to_string())?
+                .next()
+                .ok_or("no address")?;
+            let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))
+                .map_err(|e| e.to_string())?;
+            write!(s, "GET /metrics HTTP/1.0\r\nHost: {at}\r\n\r\n").map_err(|e| e.to_string())?;
+            let mut body = String::new();
+            s.read_to_string(&mut body).map_err(|e| e.to_string())?;
+            body.lines()
+                .find_map(|l| l.strip_prefix("etcd_server_proposals_committed_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .map(|v| v as u64)
+                .ok_or_else(|| "no etcd_server_proposals_committed_total in /metrics".to_owned())
+        });
+        read.await.map_err(|e| e.to_string())?
+    }
+
+    /// Raft writes per uncontended acquire+release, counted over [`COUNTED_PAIRS`] pairs on
+    /// `name` after one that may grant the client's session. Other writers to the cluster
+    /// during the count inflate it.
+    async fn writes_per_pair(&self, client: &fencelock::Client, name: &str) -> Result<f64, String> {
+        let opts = fencelock::LockOptions::default().ttl(Duration::from_secs(30));
+        let pair = || async {
+            let lease = client
+                .try_acquire(name, &opts)
+                .await
+                .map_err(|e| e.to_string())?;
+            lease.release().await.map_err(|e| e.to_string())
+        };
+        pair().await?;
+        let before = self.proposals().await?;
+        for _ in 0..COUNTED_PAIRS {
+            pair().await?;
+        }
+        let after = self.proposals().await?;
+        Ok(after.saturating_sub(before) as f64 / f64::from(COUNTED_PAIRS))
     }
 
     /// Puts per second: `tasks` tasks sharing the client, each putting its own key for `dur`.
@@ -83,6 +142,7 @@ impl EtcdReference {
     }
 
     /// Measures the reference and prints it next to the lock figures, as ratios.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn report(
         &self,
         out: &mut Out,
@@ -90,10 +150,29 @@ impl EtcdReference {
         stop: &Stop,
         seq: &Uncontended,
         par: &Uncontended,
+        client: &fencelock::Client,
+        name: &str,
     ) {
+        let writes = match self.writes_per_pair(client, name).await {
+            Ok(w) => {
+                out.line(format!(
+                    "raft writes per acquire+release, counted over {COUNTED_PAIRS} sequential \
+                     pairs (etcd_server_proposals_committed_total): {w:.2}"
+                ));
+                out.num("reference.etcd.raft_writes_per_pair", w);
+                w
+            }
+            Err(e) => {
+                out.line(format!(
+                    "raft writes per acquire+release not counted ({e}); taken as \
+                     {WRITES_PER_PAIR:.0}"
+                ));
+                WRITES_PER_PAIR
+            }
+        };
         out.line(format!(
             "reference: etcd Put rate, same client crate, same cluster; an acquire+release is \
-             {WRITES_PER_PAIR:.0} raft writes (grant, enqueue txn, delete txn, revoke)"
+             {writes:.2} raft writes (enqueue txn, delete txn)"
         ));
         for (label, key, tasks, r) in [
             ("1 client", "c1", 1, seq),
@@ -107,7 +186,7 @@ impl EtcdReference {
                          writes/puts {:.2}",
                         rate(puts),
                         rate(r.ops_per_s),
-                        ratio * WRITES_PER_PAIR
+                        ratio * writes
                     ));
                     out.num(&format!("reference.etcd.{key}.put_rps"), puts);
                     out.num(&format!("uncontended.{key}.etcd_ratio"), ratio);

@@ -86,7 +86,9 @@ impl Bench<'_> {
         #[cfg(feature = "etcd")]
         if let Some(e) = self.etcd {
             if !self.stop.is_set() {
-                e.report(self.out, self.dur, self.stop, seq, &par).await;
+                let name = self.names.take("writes");
+                e.report(self.out, self.dur, self.stop, seq, &par, self.client, &name)
+                    .await;
             }
         }
         #[cfg(feature = "zookeeper")]

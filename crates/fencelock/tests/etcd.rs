@@ -398,3 +398,193 @@ async fn a_grant_slower_than_its_ttl_is_retried_while_the_wait_lasts() {
     lease.release().await.unwrap();
     client.close().await;
 }
+
+/// etcd's count of raft proposals committed, from its `/metrics`.
+fn proposals_committed(endpoint: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(endpoint).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {endpoint}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body.lines()
+        .find_map(|l| l.strip_prefix("etcd_server_proposals_committed_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap() as u64
+}
+
+/// The session lease id (hex) in the waiter key of each lease, in order.
+fn session_of(c: &EtcdCluster, name: &str) -> Vec<String> {
+    waiter_keys(c, name)
+        .into_iter()
+        .map(|k| k.rsplit('/').next().unwrap().to_owned())
+        .collect()
+}
+
+/// One session per client serves every acquisition: an uncontended acquire+release is the
+/// creating transaction and the delete, two raft writes, where a lease per acquisition made it
+/// four (grant, transaction, delete, revoke).
+#[tokio::test]
+async fn an_uncontended_acquire_and_release_is_two_raft_writes() {
+    let c = EtcdCluster::start(1).unwrap();
+    let client = connect(&c.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    // The first acquisition grants the session.
+    client
+        .try_acquire("w", &opts)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let ep = &c.endpoints()[0];
+    let before = proposals_committed(ep);
+    let pairs = 20;
+    let mut last = None;
+    for _ in 0..pairs {
+        let lease = client.try_acquire("w", &opts).await.unwrap();
+        assert!(Some(lease.token()) > last, "tokens keep rising");
+        last = Some(lease.token());
+        lease.release().await.unwrap();
+    }
+    let writes = proposals_committed(ep) - before;
+    assert!(
+        (2 * pairs..=2 * pairs + 2).contains(&writes),
+        "{writes} raft writes for {pairs} pairs"
+    );
+}
+
+/// A lease dropped without release has its key deleted by the client at once, not when the
+/// session it shares with the client's other leases ends (which is never, while they renew).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_lease_has_its_key_deleted_long_before_the_session_ends() {
+    let c = EtcdCluster::start(1).unwrap();
+    let client = connect(&c.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    let kept = client.try_acquire("kept", &opts).await.unwrap();
+    let dropped = client.try_acquire("dropped", &opts).await.unwrap();
+    assert_eq!(session_of(&c, "kept"), session_of(&c, "dropped"));
+    drop(dropped);
+    assert!(wait_until(Duration::from_secs(3), || waiter_keys(
+        &c, "dropped"
+    )
+    .is_empty()));
+    let other = connect(&c.url()).await;
+    other
+        .try_acquire("dropped", &opts)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    assert_eq!(waiter_keys(&c, "kept").len(), 1);
+    kept.release().await.unwrap();
+}
+
+/// A session that etcd no longer has (revoked here by an operator) takes every lease on it at
+/// once, and the next acquisition grants a new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_session_loses_every_lease_on_it_at_once() {
+    let c = EtcdCluster::start(1).unwrap();
+    let client = connect(&c.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(2));
+    let mut leases = Vec::new();
+    for name in ["s1", "s2", "s3"] {
+        leases.push(client.try_acquire(name, &opts).await.unwrap());
+    }
+    let session = session_of(&c, "s1");
+    assert_eq!(session, session_of(&c, "s3"));
+    let out = c.ctl(&["lease", "revoke", &session[0]]).unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut lost_at = Vec::new();
+    for l in &leases {
+        timeout(Duration::from_secs(2), l.lost())
+            .await
+            .expect("lease reported lost after its session was revoked");
+        lost_at.push(Instant::now());
+    }
+    let spread = *lost_at.last().unwrap() - lost_at[0];
+    assert!(spread < Duration::from_millis(100), "lost {spread:?} apart");
+    let next = client.try_acquire("s1", &opts).await.unwrap();
+    assert_ne!(session_of(&c, "s1"), session);
+    assert!(next.token() > leases[0].token());
+    next.release().await.unwrap();
+}
+
+/// A cancelled acquisition deletes the key it may have created on the shared session: while
+/// queued, and with its creating transaction still in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_acquisition_leaves_no_key_on_the_shared_session() {
+    let c = EtcdCluster::start(1).unwrap();
+    let holder = connect(&c.url()).await;
+    let client = connect(&c.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    // Keeps the client's session alive throughout.
+    let kept = client.try_acquire("kept", &opts).await.unwrap();
+    let held = holder.try_acquire("c", &opts).await.unwrap();
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        let opts = opts.clone().wait(Duration::from_secs(20));
+        async move { client.acquire("c", &opts).await }
+    });
+    assert!(wait_until(Duration::from_secs(5), || waiter_keys(&c, "c")
+        .len()
+        == 2));
+    waiting.abort();
+    assert!(wait_until(Duration::from_secs(3), || waiter_keys(&c, "c")
+        .len()
+        == 1));
+    // Cancelled at every point of an uncontended acquisition, the creation in flight included.
+    for i in 0..30u64 {
+        let attempt = timeout(
+            Duration::from_micros(i * 150),
+            client.try_acquire("t", &opts),
+        );
+        if let Ok(Ok(lease)) = attempt.await {
+            lease.release().await.unwrap();
+        }
+    }
+    client.close().await;
+    assert!(
+        wait_until(Duration::from_secs(3), || waiter_keys(&c, "t").is_empty()),
+        "{:?}",
+        waiter_keys(&c, "t")
+    );
+    held.release().await.unwrap();
+    kept.release().await.unwrap();
+}
+
+/// Two acquisitions of one name by one client cannot share a key: the second takes a second
+/// session and queues behind the first, FIFO, like any other waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_acquisitions_of_one_name_by_one_client_queue_on_two_sessions() {
+    let c = EtcdCluster::start(1).unwrap();
+    let client = connect(&c.url()).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    let first = client.try_acquire("n", &opts).await.unwrap();
+    let second = tokio::spawn({
+        let client = client.clone();
+        let opts = opts.clone().wait(Duration::from_secs(20));
+        async move { client.acquire("n", &opts).await }
+    });
+    assert!(wait_until(Duration::from_secs(5), || waiter_keys(&c, "n")
+        .len()
+        == 2));
+    let sessions = session_of(&c, "n");
+    assert_ne!(sessions[0], sessions[1]);
+    assert!(client.try_acquire("n", &opts).await.is_err(), "held twice");
+    let first_token = first.token();
+    first.release().await.unwrap();
+    let second = timeout(Duration::from_secs(10), second)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(second.token() > first_token);
+    // Both sessions stay for later acquisitions: a third on another name needs no new one.
+    let other = client.try_acquire("m", &opts).await.unwrap();
+    assert!(sessions.contains(&session_of(&c, "m")[0]));
+    other.release().await.unwrap();
+    second.release().await.unwrap();
+    assert!(waiter_keys(&c, "n").is_empty());
+}

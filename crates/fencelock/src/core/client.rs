@@ -55,6 +55,8 @@ pub(crate) struct ClientInner {
     pub(crate) calls: Calls,
     pub(crate) cleanup: TaskTracker,
     pub(crate) next_id: AtomicU64,
+    /// A dropped lease is released, not left to expire ([`Opened::release_abandoned`]).
+    pub(crate) release_abandoned: bool,
 }
 
 /// Builds a [`Client`]: the backend URL plus optional settings.
@@ -181,6 +183,7 @@ impl ClientBuilder {
             queue,
             elections,
             losses,
+            release_abandoned,
         } = opened;
         let calls = Calls {
             engine: engine.kind(),
@@ -191,6 +194,7 @@ impl ClientBuilder {
         let watchdog = Watchdog::start(
             engine.clone(),
             losses,
+            release_abandoned,
             calls.clone(),
             cfg.op_timeout,
             cleanup.clone(),
@@ -208,6 +212,7 @@ impl ClientBuilder {
                 calls,
                 cleanup,
                 next_id: AtomicU64::new(1),
+                release_abandoned,
             }),
         }
     }

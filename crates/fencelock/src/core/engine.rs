@@ -209,6 +209,10 @@ pub(crate) struct Opened {
     /// Taken by the watchdog, which marks those leases lost without waiting for their next
     /// renewal.
     pub losses: Option<LossFeed>,
+    /// The engine keeps a lease's key alive for as long as *any* lease of the client renews
+    /// (one etcd session serves them all), not for its TTL: the client then releases every
+    /// lease it drops or declares lost, instead of letting it expire.
+    pub release_abandoned: bool,
 }
 
 impl Opened {
@@ -220,6 +224,7 @@ impl Opened {
             queue: None,
             elections: None,
             losses: None,
+            release_abandoned: false,
         }
     }
 }

@@ -139,16 +139,23 @@ impl LeaseState {
 /// and [`Lease::run`] cancels its work, never later than the end of the validity window.
 ///
 /// Release it with [`Lease::release`]. Dropping a lease without releasing it stops its renewals
-/// and lets it expire on the engine after its TTL.
+/// and lets it expire on the engine after its TTL; on etcd, whose keys live as long as the
+/// client's session, the client deletes its key at once instead (in the background, which
+/// [`Client::close`](crate::Client::close) waits for).
 #[must_use = "dropping a Lease stops its renewals; hold it while you work and release it when done"]
 pub struct Lease {
     state: Arc<LeaseState>,
     client: Arc<ClientInner>,
+    released: bool,
 }
 
 impl Lease {
     pub(crate) fn new(state: Arc<LeaseState>, client: Arc<ClientInner>) -> Lease {
-        Lease { state, client }
+        Lease {
+            state,
+            client,
+            released: false,
+        }
     }
 
     /// The resource name this lease is for.
@@ -222,9 +229,12 @@ impl Lease {
     /// Owner-checked release: deletes the lock only if this owner still holds it, and wakes
     /// waiters. Returns [`ErrorKind::NotHolder`] when the lease had already expired or been
     /// taken, so the caller learns its work may have overlapped another holder's.
-    pub async fn release(self) -> Result<()> {
+    pub async fn release(mut self) -> Result<()> {
         self.client.watchdog.unregister(self.state.id);
-        self.client.release_state(&self.state).await
+        let released = self.client.release_state(&self.state).await;
+        // Answered either way: a release that failed is not sent again on drop.
+        self.released = true;
+        released
     }
 }
 
@@ -233,6 +243,17 @@ impl Drop for Lease {
         self.client.watchdog.unregister(self.state.id);
         // `release` consumes the lease, so this also marks the end of a released hold.
         self.state.end_hold();
+        if !self.released && self.client.release_abandoned {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let (client, state) = (self.client.clone(), self.state.clone());
+                self.client.cleanup.spawn_on(
+                    async move {
+                        let _ = client.release_owner(&state.resource, &state.owner).await;
+                    },
+                    &rt,
+                );
+            }
+        }
     }
 }
 

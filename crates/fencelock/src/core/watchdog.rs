@@ -55,6 +55,8 @@ struct Shared {
     calls: Calls,
     op_timeout: Duration,
     tasks: TaskTracker,
+    /// Release the leases that lapse ([`Opened::release_abandoned`](crate::core::engine::Opened)).
+    release_lapsed: bool,
 }
 
 pub(crate) struct Watchdog {
@@ -70,10 +72,12 @@ struct BatchResult {
 
 impl Watchdog {
     /// Starts the renewal task of a client; `losses` is the engine's feed of leases lost as it
-    /// happens, if it has one.
+    /// happens, if it has one; `release_lapsed` releases every lease whose validity ends
+    /// unrenewed, for engines that would keep it otherwise.
     pub(crate) fn start(
         engine: Arc<dyn Engine>,
         losses: Option<LossFeed>,
+        release_lapsed: bool,
         calls: Calls,
         op_timeout: Duration,
         tasks: TaskTracker,
@@ -86,6 +90,7 @@ impl Watchdog {
             calls,
             op_timeout,
             tasks,
+            release_lapsed,
         });
         let shutdown = CancellationToken::new();
         tokio::spawn(run(shared.clone(), losses, shutdown.clone()));
@@ -172,17 +177,24 @@ impl Shared {
     }
 
     fn expire(&self, now: Instant) {
+        let mut lapsed = Vec::new();
         self.lock().retain(|_, e| {
             if now >= give_up_at(&e.lease) {
                 e.lease.mark_lost(
                     Loss::Expired,
                     "its validity ended without a confirmed renewal".to_owned(),
                 );
+                lapsed.push(e.lease.clone());
                 false
             } else {
                 true
             }
         });
+        if self.release_lapsed {
+            for lease in lapsed {
+                self.release_in_background(lease);
+            }
+        }
     }
 
     fn take_due(&self, now: Instant) -> Option<(Vec<u64>, Vec<Renewal>)> {
@@ -240,6 +252,9 @@ impl Shared {
                     Loss::Expired,
                     "its validity ended before a renewal was confirmed".to_owned(),
                 );
+                if self.release_lapsed {
+                    self.release_in_background(e.lease.clone());
+                }
                 entries.remove(id);
                 continue;
             }

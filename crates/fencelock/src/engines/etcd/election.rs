@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use etcd_client::{KeyValue, PutOptions, Txn, TxnOp, WatchOptions};
 use tokio::sync::watch;
 
+use super::hold::Phase;
 use super::EtcdEngine;
 use crate::core::engine::Elections;
 use crate::core::error::Result;
@@ -19,16 +20,21 @@ impl Elections for EtcdEngine {
     }
 
     async fn proclaim(&self, _name: &str, owner: &str, value: &str) -> Result<bool> {
-        let Some(s) = self.sessions().get(owner).cloned() else {
+        let Some((h, rev)) = self.state().holds.get(owner).and_then(|h| match h.phase {
+            Phase::Queued(rev) => Some((h.clone(), rev)),
+            _ => None,
+        }) else {
             return Ok(false);
         };
         // As election.go's Proclaim: rewrite the leader's key only while it is still the key
         // this campaign created.
-        let txn = Txn::new().when([s.key_unchanged()]).and_then([TxnOp::put(
-            s.key.clone(),
-            value,
-            Some(PutOptions::new().with_lease(s.lease)),
-        )]);
+        let txn = Txn::new()
+            .when([h.key_unchanged(rev)])
+            .and_then([TxnOp::put(
+                h.key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(h.session)),
+            )]);
         let resp = self.txn("proclaim", txn).await?;
         Ok(resp.succeeded())
     }

@@ -1,13 +1,15 @@
 //! The etcd engine: the recipe of etcd's own `concurrency` package (`mutex.go`), so that
 //! `etcdctl lock` and fencelock exclude each other on the same name.
 //!
-//! Each part is documented with its code: the session lease of every acquisition, its
-//! renewal and release in [`session`]; the lock, the waiting and the token in [`queue`];
+//! Each part is documented with its code: the client's session leases in [`session`]; each
+//! acquisition's key, its renewal and release in [`hold`]; the lock, the waiting and the
+//! token in [`queue`];
 //! native elections in [`election`]; the runbook in [`runbook`]; etcd calls in [`call`].
 
 pub(crate) mod acl;
 mod call;
 mod election;
+mod hold;
 mod keys;
 mod limits;
 mod queue;
@@ -15,8 +17,7 @@ mod runbook;
 mod session;
 pub(crate) mod url;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::core::engine::{
@@ -29,7 +30,7 @@ use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
 use async_trait::async_trait;
 use keys::{Keys, DEFAULT_ETCD_PREFIX};
-use session::Session;
+use session::State;
 use url::EtcdUrl;
 
 const KIND: &str = "etcd";
@@ -40,21 +41,50 @@ pub(crate) struct EtcdEngine {
     op_timeout: Duration,
     /// The endpoints as the URL gave them, for messages about a cluster that does not answer.
     endpoints: String,
-    /// Sessions by owner value.
-    sessions: Mutex<HashMap<String, Session>>,
+    /// The sessions and every acquisition's key on them (see [`session`]).
+    state: Mutex<State>,
+    /// Held while a session is granted, so that acquisitions starting together share one.
+    granting: tokio::sync::Mutex<()>,
+    /// The owners of leases lost with their session, for the watchdog.
+    losses: tokio::sync::mpsc::UnboundedSender<String>,
+    /// This engine, for the tasks that finish a key's creation after its caller left.
+    this: Weak<EtcdEngine>,
     /// The limits of the prefix as last read, and when (see [`limits`]).
     limits_seen: Mutex<Option<(tokio::time::Instant, Limits)>>,
 }
 
 /// Opens the engine for an `etcd://` / `etcds://` backend. Connecting is lazy: an unreachable
 /// cluster shows at the first call, which is bounded like every call.
-/// Hands out the lock, etcd's own waiter queue (every acquisition waits in FIFO order) and
-/// native elections.
+/// Hands out the lock, etcd's own waiter queue (every acquisition waits in FIFO order),
+/// native elections and the feed of leases lost with their session. The keys of a session
+/// outlive a lease the client stops renewing, so the client releases every lease it drops or
+/// declares lost.
 pub(crate) async fn open(url: EtcdUrl, cfg: &EngineConfig) -> Result<Opened> {
-    let engine = Arc::new(EtcdEngine::connect(&url, cfg).await?);
+    let client = call::connect_client(&url, cfg.op_timeout).await?;
+    let (losses, rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Arc::new_cyclic(|this| EtcdEngine {
+        client,
+        keys: Keys {
+            prefix: etcd_prefix(&cfg.prefix),
+        },
+        op_timeout: cfg.op_timeout,
+        endpoints: url
+            .endpoints
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+        state: Mutex::new(State::default()),
+        granting: tokio::sync::Mutex::new(()),
+        losses,
+        this: this.clone(),
+        limits_seen: Mutex::new(None),
+    });
     Ok(Opened {
         queue: Some(engine.clone()),
         elections: Some(engine.clone()),
+        losses: Some(rx),
+        release_abandoned: true,
         ..Opened::lock(engine)
     })
 }
@@ -87,26 +117,6 @@ pub(crate) fn labelled_keys(prefix: &str, name: &str) -> Vec<(&'static str, Stri
         },
         name,
     )
-}
-
-impl EtcdEngine {
-    async fn connect(url: &EtcdUrl, cfg: &EngineConfig) -> Result<EtcdEngine> {
-        let client = call::connect_client(url, cfg.op_timeout).await?;
-        let prefix = etcd_prefix(&cfg.prefix);
-        Ok(EtcdEngine {
-            client,
-            keys: Keys { prefix },
-            op_timeout: cfg.op_timeout,
-            endpoints: url
-                .endpoints
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-            sessions: Mutex::new(HashMap::new()),
-            limits_seen: Mutex::new(None),
-        })
-    }
 }
 
 #[async_trait]

@@ -1,19 +1,18 @@
 //! The waiter queue: enqueueing, waiting for the predecessor, and the grant.
 //!
-//! - **Lock**: a waiter key `<lock prefix>/<lease id hex>` attached to the session lease
-//!   ([`keys`](super::keys) documents the name mapping). One transaction creates it (if
-//!   absent) and reads the first key by create revision; the lock is held by the key with the
-//!   lowest create revision, so an uncontended acquisition is the lease grant and one
-//!   transaction.
+//! - **Lock**: a waiter key `<lock prefix>/<lease id hex>` attached to the client's session
+//!   lease ([`keys`](super::keys) documents the name mapping, [`session`](super::session) the
+//!   sessions). One transaction creates it (if absent) and reads the first key by create
+//!   revision; the lock is held by the key with the lowest create revision, so an uncontended
+//!   acquisition is one transaction on a session already granted.
 //! - **Waiting**: a waiter watches only the key with the greatest create revision below its
 //!   own and re-checks when that key is deleted (FIFO, no polling). The watch is re-armed
 //!   every operation timeout, so a member that stopped answering cannot hold a waiter forever.
-//!   While queued, the waiter keeps its session lease alive itself.
+//!   While queued, the waiter keeps its session alive itself.
 //! - **Token**: the create revision of the holder's key. etcd's revision is one counter for
 //!   the whole cluster, raised by every write and never reused, so later grants carry larger
 //!   tokens, across member crashes and leader changes.
 
-use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -23,8 +22,9 @@ use etcd_client::{
 };
 use tokio::time::Instant;
 
+use super::hold::Enqueued;
 use super::runbook::encode_fields;
-use super::session::{session_expired, Session};
+use super::session::session_expired;
 use super::{EtcdEngine, KIND};
 use crate::core::engine::{AcquireRequest, Attempt, WaitQueue};
 use crate::core::error::{Error, Result};
@@ -32,45 +32,25 @@ use crate::core::holder::unix_millis;
 use crate::core::token::FencingToken;
 
 impl EtcdEngine {
-    /// Enqueues the session's key (if absent) and reads the queue head, in one transaction.
-    /// Returns the key's create revision and the head.
-    async fn enqueue(&self, s: &Session, value: String) -> Result<(i64, Option<KeyValue>)> {
-        let head = TxnOp::get(
-            self.keys.waiters(&s.name),
-            Some(first_created().with_limit(1)),
-        );
+    /// Enqueues `owner`'s key on `name` under session `lease` (if absent) and reads the
+    /// queue head, in one transaction. Returns the key's create revision and the head.
+    async fn enqueue(
+        &self,
+        owner: &str,
+        name: &str,
+        lease: i64,
+        key: &str,
+        value: String,
+    ) -> Result<Enqueued> {
+        let head = TxnOp::get(self.keys.waiters(name), Some(first_created().with_limit(1)));
         let txn = Txn::new()
-            .when([Compare::create_revision(s.key.clone(), CompareOp::Equal, 0)])
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
             .and_then([
-                TxnOp::put(
-                    s.key.clone(),
-                    value,
-                    Some(PutOptions::new().with_lease(s.lease)),
-                ),
+                TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease))),
                 head.clone(),
             ])
-            .or_else([TxnOp::get(s.key.clone(), None), head]);
-        let resp = self.txn("enqueue", txn).await?;
-        let ops = resp.op_responses();
-        let mine = if resp.succeeded() {
-            resp.header().map_or(0, |h| h.revision())
-        } else {
-            match ops.first() {
-                Some(TxnOpResponse::Get(g)) => g.kvs().first().map_or(0, KeyValue::create_revision),
-                _ => 0,
-            }
-        };
-        if mine == 0 {
-            return Err(Error::engine_failure(
-                KIND,
-                "etcd answered the enqueue transaction without the waiter key's revision",
-            ));
-        }
-        let head = match ops.get(1) {
-            Some(TxnOpResponse::Get(g)) => g.kvs().first().cloned(),
-            _ => None,
-        };
-        Ok((mine, head))
+            .or_else([TxnOp::get(key, None), head]);
+        self.create_key(owner, txn, enqueued).await
     }
 
     /// Waits until no key on `name` was created before revision `rev`: watches the newest
@@ -158,7 +138,12 @@ impl WaitQueue for EtcdEngine {
             return Err(refused.with_resource(&req.name).with_engine(KIND));
         }
         if let Some(max) = limits.max_held_per_client() {
-            let mine = self.sessions().keys().filter(|o| **o != req.owner).count();
+            let mine = self
+                .state()
+                .holds
+                .keys()
+                .filter(|o| **o != req.owner)
+                .count();
             if mine >= max as usize {
                 return Ok((
                     Attempt::OverQuota {
@@ -169,19 +154,20 @@ impl WaitQueue for EtcdEngine {
                 ));
             }
         }
-        let mut session = self.open_session(req, started).await?;
+        let (lease, key) = self.session_for(&req.name, &req.owner, req.ttl).await?;
         let value = match campaign {
             Some(v) => v.to_owned(),
             None => Self::meta_value(req),
         };
-        let (rev, head) = self.enqueue(&session, value).await?;
-        session.rev = rev;
-        if let Some(s) = self.sessions().get_mut(&req.owner) {
-            s.rev = rev;
-        }
+        let (rev, head) = self
+            .enqueue(&req.owner, &req.name, lease, &key, value)
+            .await?;
         let head_rev = head.as_ref().map_or(0, KeyValue::create_revision);
+        // The key lives as long as the session: validity counts from the session's last
+        // confirmation (see `session`), which may be before this acquisition started.
+        let since = || self.valid_since(lease, req.ttl).ok_or_else(session_expired);
         if head_rev == rev {
-            return Ok((Attempt::Granted(token_of(rev)?), started));
+            return Ok((Attempt::Granted(token_of(rev)?), since()?));
         }
         let held = |holder| Attempt::Held {
             holder,
@@ -191,12 +177,9 @@ impl WaitQueue for EtcdEngine {
         if wait.is_zero() {
             return Ok((held(self.holder_in(head.as_ref()).await), started));
         }
-        // The lease's expiry on the server counts from the last keep-alive it confirmed (the
-        // grant, at first): a grant after the wait counts its validity from there.
-        let confirmed_at = Mutex::new(started);
         tokio::select! {
             r = self.wait_deletes(&req.name, rev) => r?,
-            e = self.keep_queued_alive(&req.owner, session.lease, &session.key, req.ttl, &confirmed_at) => return Err(e.with_resource(&req.name)),
+            e = self.keep_queued_alive(lease, req.ttl) => return Err(e.with_resource(&req.name)),
             _ = tokio::time::sleep_until(deadline) => {
                 let head = self.head(&req.name).await.ok().flatten();
                 return Ok((held(self.holder_in(head.as_ref()).await), started));
@@ -204,12 +187,35 @@ impl WaitQueue for EtcdEngine {
         }
         // First in line. As etcd's mutex does, check that the key is still there: the session
         // may have expired, or the key been force-released, while the watch was quiet.
-        let confirmed = *confirmed_at.lock().unwrap_or_else(|p| p.into_inner());
-        if !self.key_is_mine(&session).await? {
+        if !self.key_is_mine(&key, rev).await? {
             return Err(session_expired());
         }
-        Ok((Attempt::Granted(token_of(rev)?), confirmed))
+        Ok((Attempt::Granted(token_of(rev)?), since()?))
     }
+}
+
+/// The revision an enqueue transaction created (or found) the key at, and the queue's head.
+fn enqueued(resp: etcd_client::TxnResponse) -> Result<Enqueued> {
+    let ops = resp.op_responses();
+    let mine = if resp.succeeded() {
+        resp.header().map_or(0, |h| h.revision())
+    } else {
+        match ops.first() {
+            Some(TxnOpResponse::Get(g)) => g.kvs().first().map_or(0, KeyValue::create_revision),
+            _ => 0,
+        }
+    };
+    if mine == 0 {
+        return Err(Error::engine_failure(
+            KIND,
+            "etcd answered the enqueue transaction without the waiter key's revision",
+        ));
+    }
+    let head = match ops.get(1) {
+        Some(TxnOpResponse::Get(g)) => g.kvs().first().cloned(),
+        _ => None,
+    };
+    Ok((mine, head))
 }
 
 /// Reads a queue in order: oldest key (the holder) first.
