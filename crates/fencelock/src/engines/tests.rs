@@ -214,29 +214,38 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     assert!(out.status.success());
     let client = ::redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let mut inv = super::redis::scripts::ACQUIRE.prepare_invoke();
+    let mut plain = super::redis::scripts::ACQUIRE.prepare_invoke();
+    for k in [
+        "lock:r", "fence:r", "meta:r", "node", "wait:r", "limits", "held:me",
+    ] {
+        plain.key(format!("t:{k}"));
+    }
+    plain.arg("owner").arg(300_000).arg(0).arg("0\n1\nhost\nme");
+    let mut fair = super::redis::scripts::ACQUIRE_FAIR.prepare_invoke();
     for k in [
         "lock:r", "fence:r", "meta:r", "node", "wait:r", "queue:r", "qexp:r", "qseq:r", "qinfo:r",
         "limits", "held:me",
     ] {
-        inv.key(format!("t:{k}"));
+        fair.key(format!("t:{k}"));
     }
-    inv.arg("owner")
+    fair.arg("owner")
         .arg(300_000)
         .arg(0)
         .arg("0123456789abcdef")
         .arg(0)
         .arg("1\nhost\nme")
-        .arg(0)
+        .arg(60_000)
         .arg("t:client:x")
         .arg(0);
-    let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
-    assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
-    assert_eq!(
-        reply.get(3),
-        Some(&::redis::Value::Int(60_000)),
-        "{reply:?}"
-    );
+    for inv in [plain, fair] {
+        let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
+        assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
+        assert_eq!(
+            reply.get(3),
+            Some(&::redis::Value::Int(60_000)),
+            "{reply:?}"
+        );
+    }
     let exists = server.cli(&["EXISTS", "t:lock:r"]).unwrap();
     assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
 }

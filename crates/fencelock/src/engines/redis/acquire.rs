@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use redis::Value;
 
-use super::keys::{self, Keys};
+use super::keys::Keys;
 use super::node::{Node, NodeResult};
 use super::release::Release;
 use super::values::{as_i64, as_string, as_u64, holder_from, ms, pttl_of, who};
@@ -84,29 +84,50 @@ impl RedisEngine {
         fair: Option<(Duration, SystemTime)>,
         keys: &Keys,
         floor: u64,
+        tail: &str,
         limit: Duration,
     ) -> NodeResult<NodeAttempt> {
-        let mut inv = scripts::ACQUIRE.prepare_invoke();
-        inv.key(&keys.lock)
-            .key(&keys.fence)
-            .key(&keys.meta)
-            .key(keys::node_key(&self.prefix))
-            .key(&keys.wait)
-            .key(&keys.queue)
-            .key(&keys.qexp)
-            .key(&keys.qseq)
-            .key(&keys.qinfo)
-            .key(&self.limits_key)
-            .key(&self.held_key)
-            .arg(&req.owner)
-            .arg(ms(req.ttl))
-            .arg(floor)
-            .arg(format!("{:016x}", rand::random::<u64>()))
-            .arg(unix_millis(SystemTime::now()))
-            .arg(who(&req.meta))
-            .arg(fair.map_or(0, |(window, _)| ms(window)))
-            .arg(&self.channel)
-            .arg(fair.map_or(0, |(_, since)| self.queue_place(since)));
+        let inv = match fair {
+            None => {
+                let mut inv = scripts::ACQUIRE.prepare_invoke();
+                inv.key(&keys.lock)
+                    .key(&keys.fence)
+                    .key(&keys.meta)
+                    .key(&self.node_key)
+                    .key(&keys.wait)
+                    .key(&self.limits_key)
+                    .key(&self.held_key)
+                    .arg(&req.owner)
+                    .arg(ms(req.ttl))
+                    .arg(floor)
+                    .arg(tail);
+                inv
+            }
+            Some((window, since)) => {
+                let mut inv = scripts::ACQUIRE_FAIR.prepare_invoke();
+                inv.key(&keys.lock)
+                    .key(&keys.fence)
+                    .key(&keys.meta)
+                    .key(&self.node_key)
+                    .key(&keys.wait)
+                    .key(&keys.queue)
+                    .key(&keys.qexp)
+                    .key(&keys.qseq)
+                    .key(&keys.qinfo)
+                    .key(&self.limits_key)
+                    .key(&self.held_key)
+                    .arg(&req.owner)
+                    .arg(ms(req.ttl))
+                    .arg(floor)
+                    .arg(format!("{:016x}", rand::random::<u64>()))
+                    .arg(unix_millis(SystemTime::now()))
+                    .arg(who(&req.meta))
+                    .arg(ms(window))
+                    .arg(&self.channel)
+                    .arg(self.queue_place(since));
+                inv
+            }
+        };
         let reply: Vec<Value> = node.run(inv, limit).await?;
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
@@ -153,12 +174,22 @@ impl RedisEngine {
         let wake = self.wakers.subscribe(&req.name);
         let limit = self.node_timeout(req.ttl);
         let floor = self.floor();
+        let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&req.meta));
+        let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
+        // Decided once a quorum granted: the slowest node's answer changes nothing then (the
+        // raise below counts a node that did not answer as one to raise), and on machines
+        // where the nodes share the client's cores it is the one that comes last. While a
+        // node sits out after a restart its grant is no vote, so every answer is awaited.
+        let all_vote = self.nodes.iter().all(Node::votes);
+        let quorum = self.quorum;
         let answers = self
-            .ask(|n| self.acquire_on(n, req, fair, &keys, floor, limit))
+            .ask_until(
+                |n| self.acquire_on(n, req, fair, &keys, floor, &tail, limit),
+                |ok| all_vote && ok.iter().filter(|a| granted(a)).count() >= quorum,
+            )
             .await
             .only_votes();
 
-        let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
         let votes = answers.count(granted);
         let granted_any = answers.answers().any(granted);
         let top = answers

@@ -74,6 +74,7 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         op_timeout: cfg.op_timeout,
         max_ttl: cfg.max_ttl,
         limits_key: keys::limits_key(&cfg.prefix),
+        node_key: keys::node_key(&cfg.prefix),
         held_key: keys::held_key(&cfg.prefix, &cfg.holder_id),
         wakers,
         channel,
@@ -123,6 +124,8 @@ pub(crate) struct RedisEngine {
     /// Where the limits of the prefix are stored, and this client's set of held leases.
     limits_key: String,
     held_key: String,
+    /// The node's id (see [`node`]), read by every grant.
+    node_key: String,
     wakers: Arc<Wakers>,
     /// This client's own wake-up channel: handoffs to its fair waiters.
     channel: String,

@@ -33,14 +33,9 @@ impl RedisEngine {
         inv.key(&keys.lock)
             .key(&keys.meta)
             .key(&keys.wait)
-            .key(&keys.queue)
-            .key(&keys.qexp)
-            .key(&keys.qinfo)
-            .key(&keys.fence)
             .key(&self.held_key)
-            .key(&self.limits_key)
             .arg(owner)
-            .arg(&keys.wake)
+            .arg(self.prefix.len())
             .arg(u8::from(self.one_node()))
             .arg(u8::from(release == Release::KeepWaiting));
         let n: i64 = node.run(inv, limit).await?;

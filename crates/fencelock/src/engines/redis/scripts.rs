@@ -90,12 +90,114 @@ fn with_shared(body: &str) -> Script {
     Script::new(&format!("{SHARED}{body}"))
 }
 
-/// Acquire, advancing the fencing counter in the same step.
+/// Acquire outside fair mode, advancing the fencing counter in the same step: the script every
+/// uncontended acquisition runs, so it carries only what such a grant needs.
+///
+/// KEYS: lock, fence, meta, node, wait, limits, held (this client's set of held leases under
+/// the prefix). ARGV: owner, ttl_ms, floor (`0` on one node: see below), the metadata's tail
+/// `acquired_at\npid\nhost\nclient` (the holder's wall clock in ms and [`who`](super::values::who)).
+///
+/// Replies as [`ACQUIRE_FAIR`]. The script defines no functions: a Lua closure is created on
+/// every call of a script whose body defines it, and the uncontended path pays for each one.
+///
+/// Tokens:
+/// - **Redlock** passes the client's clock in µs as the floor, so that healthy nodes answer
+///   the same token: `max(counter + 1, floor)`, in one `SET ... GET` when the floor is above
+///   the counter (the usual case).
+/// - **One node** advances the counter with `INCR`, and only when the counter is missing (its
+///   first grant, or a node that restarted without its data) sets it to the server's clock in
+///   µs. That is still above every token the node granted before: each token is at most the
+///   server's clock (in µs) at its grant, because it is either such a clock reading or one
+///   more than the previous token, and two grants of one name are more than a microsecond
+///   apart on a single-threaded server whose scripts take longer than that. So as long as the
+///   server's clock does not step back across the restart, a counter rebuilt from it starts
+///   above everything granted before.
+///
+/// Taking the lock and reading who held it are one `SET NX PX GET`, which needs Redis 7.0;
+/// older servers get a clear error instead. A new node's id is its clock at the first grant.
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if not redis.REDIS_VERSION_NUM then
+  return redis.error_reply('fencelock needs Redis 7.0 or later')
+end
+local node = redis.call('GET', KEYS[4])
+if not node then
+  local t = redis.call('TIME')
+  node = t[1] .. '.' .. t[2]
+  redis.call('SET', KEYS[4], node)
+end
+local owner, ttl = ARGV[1], ARGV[2]
+local quota_now
+local lim = redis.call('GET', KEYS[6])
+if lim then
+  local mt, mh = string.match(lim, '^(%d+) (%d+)$')
+  mt, mh = tonumber(mt) or 0, tonumber(mh) or 0
+  if mt > 0 and tonumber(ttl) > mt then
+    return {2, 0, node, mt}
+  end
+  if mh > 0 then
+    local t = redis.call('TIME')
+    quota_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', quota_now)
+    if not (redis.call('ZSCORE', KEYS[7], owner) or redis.call('ZCARD', KEYS[7]) < mh) then
+      local first = redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')
+      return {3, math.max(1, tonumber(first[2]) - quota_now), node, mh}
+    end
+  end
+end
+local cur = redis.call('SET', KEYS[1], owner, 'NX', 'PX', ttl, 'GET')
+if cur and cur ~= owner then
+  -- Refused: the flag lasts as the lock, so its release announces itself.
+  local meta = redis.call('GET', KEYS[3])
+  local pttl = redis.call('PTTL', KEYS[1])
+  if meta and pttl > 0 then
+    redis.call('SET', KEYS[5], '1', 'PX', pttl)
+  end
+  return {0, pttl, node, cur, meta}
+end
+if quota_now then
+  redis.call('ZADD', KEYS[7], quota_now + tonumber(ttl), owner)
+  if redis.call('PTTL', KEYS[7]) < tonumber(ttl) then
+    redis.call('PEXPIRE', KEYS[7], ttl)
+  end
+end
+if cur then
+  -- A retried attempt whose answer was lost: the grant it already has, refreshed.
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[3], ttl)
+  local meta = redis.call('GET', KEYS[3])
+  return {1, meta and string.match(meta, '^(%d+)') or redis.call('GET', KEYS[2]) or '0', node}
+end
+local s = ARGV[3]
+if s == '0' then
+  s = redis.call('INCR', KEYS[2])
+  if s == 1 then
+    local t = redis.call('TIME')
+    s = t[1] .. string.format('%06d', tonumber(t[2]))
+    redis.call('SET', KEYS[2], s)
+  else
+    s = string.format('%.0f', s)
+  end
+else
+  local old = tonumber(redis.call('SET', KEYS[2], s, 'GET') or '0')
+  if old >= tonumber(s) then
+    s = string.format('%.0f', old + 1)
+    redis.call('SET', KEYS[2], s)
+  end
+end
+redis.call('SET', KEYS[3], s .. '\n' .. owner .. '\n' .. ttl .. '\n' .. ARGV[4], 'PX', ttl)
+return {1, s, node}
+"#,
+    )
+});
+
+/// Acquire in fair (FIFO) mode, advancing the fencing counter in the same step.
 ///
 /// KEYS: lock, fence, meta, node, wait, queue, qexp, qseq, qinfo, limits, held (this client's
 /// set of held leases under the prefix).
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, now_ms (holder's
-/// wall clock), who (`pid\nhost\nclient`), fair waiter ttl_ms (0: not fair), the client's own
+/// wall clock), who (`pid\nhost\nclient`), the queue entry's ttl_ms, the client's own
 /// wake-up channel (where a release tells this waiter it was handed the lock), the waiter's
 /// place in the queue (0: after every waiter so far, numbered by `qseq`; Redlock passes the
 /// acquisition's start in µs, so that every node orders the waiters alike).
@@ -117,9 +219,9 @@ fn with_shared(body: &str) -> Script {
 /// a node that restarted empty still hands out tokens above everything it granted before, as
 /// long as its clock did not step back across the restart.
 ///
-/// Outside fair mode, taking the lock and reading who held it are one `SET NX PX GET`, which
-/// needs Redis 7.0; older servers get a clear error instead.
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+/// A fair waiter is queued when the lock is held or another waiter is ahead of it; [`ACQUIRE`]
+/// is the same grant without the queue.
+pub(crate) static ACQUIRE_FAIR: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
 if not redis.REDIS_VERSION_NUM then
@@ -142,55 +244,46 @@ if max_held > 0 then
     return {3, math.max(1, tonumber(first[2]) - quota_now), node, max_held}
   end
 end
--- Refused: the flag lasts as the lock, or as the queue entry of a fair waiter (`fair_px`).
-local function held(cur, fair_px)
+-- Refused: the flag lasts as the waiter's queue entry.
+local function held(cur, px)
   local meta = redis.call('GET', KEYS[3])
   local pttl = redis.call('PTTL', KEYS[1])
-  local px = fair_px or pttl
   if meta and px > 0 then
     redis.call('SET', KEYS[5], '1', 'PX', px)
   end
   return {0, pttl, node, cur, meta}
 end
 local fair = tonumber(ARGV[7])
-local cur
-if fair > 0 then
-  cur = redis.call('GET', KEYS[1])
-  if cur ~= ARGV[1] then
-    local t = redis.call('TIME')
-    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    prune_waiters(KEYS[6], KEYS[7], KEYS[9], now)
-    local head = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
-    if cur or (head and head ~= ARGV[1]) then
-      if not redis.call('ZSCORE', KEYS[6], ARGV[1]) then
-        local place = ARGV[9]
-        if place == '0' then
-          place = redis.call('INCR', KEYS[8])
-        end
-        redis.call('ZADD', KEYS[6], place, ARGV[1])
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  prune_waiters(KEYS[6], KEYS[7], KEYS[9], now)
+  local head = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
+  if cur or (head and head ~= ARGV[1]) then
+    if not redis.call('ZSCORE', KEYS[6], ARGV[1]) then
+      local place = ARGV[9]
+      if place == '0' then
+        place = redis.call('INCR', KEYS[8])
       end
-      redis.call('ZADD', KEYS[7], now + fair, ARGV[1])
-      -- What a release needs to hand the lock straight to this waiter.
-      redis.call('HSET', KEYS[9], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[11]))
-      for i = 6, 9 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
-      return held(cur, 2 * fair)
+      redis.call('ZADD', KEYS[6], place, ARGV[1])
     end
-    if head then
-      redis.call('ZREM', KEYS[6], ARGV[1])
-      redis.call('ZREM', KEYS[7], ARGV[1])
-      redis.call('HDEL', KEYS[9], ARGV[1])
-      if redis.call('ZCARD', KEYS[6]) > 0 then
-        -- The waiters behind stay owed a wake-up by this holder's release.
-        redis.call('SET', KEYS[5], '1', 'PX', 2 * fair)
-      end
+    redis.call('ZADD', KEYS[7], now + fair, ARGV[1])
+    -- What a release needs to hand the lock straight to this waiter.
+    redis.call('HSET', KEYS[9], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[11]))
+    for i = 6, 9 do redis.call('PEXPIRE', KEYS[i], 2 * fair) end
+    return held(cur, 2 * fair)
+  end
+  if head then
+    redis.call('ZREM', KEYS[6], ARGV[1])
+    redis.call('ZREM', KEYS[7], ARGV[1])
+    redis.call('HDEL', KEYS[9], ARGV[1])
+    if redis.call('ZCARD', KEYS[6]) > 0 then
+      -- The waiters behind stay owed a wake-up by this holder's release.
+      redis.call('SET', KEYS[5], '1', 'PX', 2 * fair)
     end
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   end
-else
-  cur = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
-  if cur and cur ~= ARGV[1] then
-    return held(cur)
-  end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
 if quota_now then
   count_held(KEYS[11], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
@@ -249,11 +342,15 @@ return out
 /// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
 /// announces the change to waiters.
 ///
-/// KEYS: lock, meta, wait, queue, qexp, qinfo, fence, held (this client's set of held
-/// leases), limits. ARGV: owner, wake channel, handoff (1:
-/// hand the lock to the head of the FIFO queue), keep waiting (1: a Redlock attempt rolled back
-/// on a split vote, whose owner keeps its place in the queue). Reply: 1 when the lock was this
-/// owner's and is now deleted (or handed on).
+/// KEYS: lock, meta, wait, held (this client's set of held leases). ARGV: owner, the length of
+/// the prefix, handoff (1: hand the lock to the head of the FIFO queue), keep waiting (1: a
+/// Redlock attempt rolled back on a split vote, whose owner keeps its place in the queue).
+/// Reply: 1 when the lock was this owner's and is now deleted (or handed on).
+///
+/// The keys only a contended release touches (the queue's, the fence, the limits, the wake
+/// channel) are built in the script from the lock key and the prefix's length, not passed:
+/// every key or argument a call carries costs the server as much to parse as building it
+/// costs the script, and the uncontended release needs none of them.
 ///
 /// The announcement goes out only when someone waits (the `wait` flag a refused attempt or a
 /// queued fair waiter set): an uncontended release is three reads and deletes and publishes
@@ -271,33 +368,49 @@ return out
 /// died while queued blocks the lock no longer than its entry would have; the waiter's client
 /// renews the lease to its full TTL at once. The limits are checked for the waiter as its own
 /// attempt would: over them, it is woken instead and its retry hears the refusal.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    with_shared(
-        r#"
+pub(crate) static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&RELEASE_BODY.replace("{SHARED}", SHARED)));
+
+/// [`RELEASE`], with the [`SHARED`] functions defined only in the branch that hands the lock
+/// on: a function definition costs its closure on every call that runs it, and an uncontended
+/// release never needs them.
+const RELEASE_BODY: &str = r#"
+-- A key of this name in another category: the lock key is the prefix, `lock:`, the name.
+local function key(category)
+  local plen = tonumber(ARGV[2])
+  return string.sub(KEYS[1], 1, plen) .. category .. string.sub(KEYS[1], plen + 6)
+end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  if ARGV[4] ~= '1' and redis.call('ZREM', KEYS[4], ARGV[1]) == 1 then
-    redis.call('ZREM', KEYS[5], ARGV[1])
-    redis.call('HDEL', KEYS[6], ARGV[1])
-    redis.call('PUBLISH', ARGV[2], redis.call('ZRANGE', KEYS[4], 0, 0)[1] or '')
+  if ARGV[4] ~= '1' then
+    local queue = key('queue:')
+    if redis.call('ZREM', queue, ARGV[1]) == 1 then
+      redis.call('ZREM', key('qexp:'), ARGV[1])
+      redis.call('HDEL', key('qinfo:'), ARGV[1])
+      redis.call('PUBLISH', key('wake:'), redis.call('ZRANGE', queue, 0, 0)[1] or '')
+    end
   end
   return 0
 end
 local waiting = redis.call('DEL', KEYS[3]) == 1
 redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[8], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
 if not waiting then
   return 1
 end
+local queue, wake = key('queue:'), key('wake:')
 if ARGV[3] == '1' then
+  {SHARED}
+  local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  prune_waiters(KEYS[4], KEYS[5], KEYS[6], now)
-  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
-  local info = head and redis.call('HGET', KEYS[6], head)
+  prune_waiters(queue, qexp, qinfo, now)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  local info = head and redis.call('HGET', qinfo, head)
   local ttl, who, channel, held
   if info then
     ttl, who, channel, held = cmsgpack.unpack(info)
-    local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[9]))
+    local limits = string.sub(KEYS[1], 1, tonumber(ARGV[2])) .. 'limits'
+    local max_ttl, max_held = parse_limits(redis.call('GET', limits))
     if (max_ttl > 0 and tonumber(ttl) > max_ttl)
         or (max_held > 0 and not (held and within_quota(held, head, max_held, now))) then
       info = nil
@@ -306,28 +419,26 @@ if ARGV[3] == '1' then
     end
   end
   if info then
-    local left = tonumber(redis.call('ZSCORE', KEYS[5], head)) - now
+    local left = tonumber(redis.call('ZSCORE', qexp, head)) - now
     local px = math.min(tonumber(ttl), left)
-    local s = advance(KEYS[7], tonumber(t[1]) * 1000000 + tonumber(t[2]))
+    local s = advance(key('fence:'), tonumber(t[1]) * 1000000 + tonumber(t[2]))
     redis.call('SET', KEYS[1], head, 'PX', px)
     redis.call('SET', KEYS[2], meta_value(s, head, ttl, now, who), 'PX', px)
-    redis.call('ZREM', KEYS[4], head)
-    redis.call('ZREM', KEYS[5], head)
-    redis.call('HDEL', KEYS[6], head)
-    local rest = redis.call('PTTL', KEYS[4])
+    redis.call('ZREM', queue, head)
+    redis.call('ZREM', qexp, head)
+    redis.call('HDEL', qinfo, head)
+    local rest = redis.call('PTTL', queue)
     if rest > 0 then
       -- The waiters behind stay owed a wake-up by the new holder's release.
       redis.call('SET', KEYS[3], '1', 'PX', rest)
     end
-    redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. ARGV[2])
+    redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. wake)
     return 1
   end
 end
-redis.call('PUBLISH', ARGV[2], redis.call('ZRANGE', KEYS[4], 0, 0)[1] or '')
+redis.call('PUBLISH', wake, redis.call('ZRANGE', queue, 0, 0)[1] or '')
 return 1
-"#,
-    )
-});
+"#;
 
 /// Raises the fencing counter to at least a token (Redlock's second step).
 ///
