@@ -19,6 +19,7 @@ use crate::core::limits::quota_refused;
 use crate::core::name::validate_name;
 use crate::core::options::{display_duration, handoff_validity, usable, validity, LockOptions};
 use crate::core::token::FencingToken;
+use crate::core::wake::WakeRx;
 
 impl Client {
     /// Acquires `name`, waiting up to `opts.wait` while another owner holds it.
@@ -181,6 +182,9 @@ impl Client {
         let deadline = deadline_after(wait);
         let call_timeout = inner.cfg.op_timeout.min(ttl);
         let mut backoff = min_backoff;
+        // The last wake-up subscription, kept until the next attempt's own is made: the
+        // waiter's place among the client's waiters (see `core::wake`) lasts the acquisition.
+        let mut place: Option<WakeRx> = None;
         loop {
             let started = Instant::now();
             pending.armed = true;
@@ -208,6 +212,9 @@ impl Client {
                     match validity(ttl, elapsed).filter(|v| usable(ttl, *v)) {
                         Some(v) => {
                             pending.armed = false;
+                            if let Some(p) = place.take() {
+                                p.settle();
+                            }
                             return Ok(inner.grant(&req, token, started + v, opts));
                         }
                         None => {
@@ -287,10 +294,14 @@ impl Client {
                         let v = handoff_validity(ttl, window, started.elapsed());
                         if let Some(v) = v.filter(|v| opts.auto_renew_value() && usable(ttl, *v)) {
                             pending.armed = false;
+                            wake.settle();
+                            if let Some(p) = place.take() {
+                                p.settle();
+                            }
                             return Ok(inner.grant(&req, token, started + v, opts));
                         }
-                        continue;
                     }
+                    place = Some(wake);
                 }
                 None => tokio::time::sleep(pause).await,
             }

@@ -3,10 +3,23 @@
 //! LISTEN/NOTIFY). One listener per client feeds them; each waiter holds a receiver of its
 //! resource, subscribed before its attempt is sent, so an announcement right after a refusal
 //! is never missed.
+//!
+//! - **One waiter per release.** A waiter that subscribes with its owner value takes a place
+//!   among the waiters of its resource in this client, kept for its whole acquisition (across
+//!   retries). A release announcement that names nobody (the default, barging mode) is
+//!   delivered to the oldest of them only: the other waiters would only race it and each
+//!   other, and on Redlock a race of several waiters ends in split votes that nobody wins. If
+//!   that waiter gives up (its wait ends, its acquisition is dropped) with an announcement it
+//!   did not act on, the announcement passes to the next. A waiter that is granted the lock
+//!   passes nothing on: the lock is held again, and its release announces itself.
+//! - **A release on a quorum.** Each node of a Redlock set announces its own part of one
+//!   release; a waiter that retried after the first would find the lock still held on the
+//!   others. A waiter retries once announcements from `need` distinct nodes (the quorum)
+//!   concern it, or when its own pause ends.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -31,6 +44,8 @@ pub(crate) struct Announcement {
     /// The release handed the lock straight to `only` with this token: that waiter holds it
     /// from the moment the release ran, for its TTL cut to what was left of its queue entry.
     pub granted: Option<FencingToken>,
+    /// The announcing node's index in its engine (0 for an engine of one server).
+    pub node: usize,
 }
 
 impl Wake {
@@ -42,12 +57,22 @@ impl Wake {
         self.recent.back().map_or(0, |a| a.seq)
     }
 
-    pub(crate) fn push(&mut self, only: Option<String>, granted: Option<FencingToken>) {
+    pub(crate) fn push(
+        &mut self,
+        node: usize,
+        only: Option<String>,
+        granted: Option<FencingToken>,
+    ) {
         let seq = self.seq().wrapping_add(1);
         if self.recent.len() == Self::KEPT {
             self.recent.pop_front();
         }
-        self.recent.push_back(Announcement { seq, only, granted });
+        self.recent.push_back(Announcement {
+            seq,
+            only,
+            granted,
+            node,
+        });
     }
 }
 
@@ -70,70 +95,210 @@ const PRUNE_ABOVE: usize = 1024;
 pub(crate) struct WakeRx {
     rx: watch::Receiver<Wake>,
     seen: u64,
+    /// Nodes whose announcements concerning this waiter it has heard but not yet acted on.
+    heard: Vec<usize>,
+    place: Option<Place>,
+}
+
+/// A waiter's place among the waiters of its resource (see the module docs).
+#[derive(Debug)]
+struct Place {
+    wakers: Arc<Wakers>,
+    name: String,
+    owner: String,
+    /// Announcements from this many distinct nodes make a release.
+    need: usize,
+    /// Granted: nothing to pass on.
+    settled: bool,
 }
 
 impl WakeRx {
     /// Waits for an announcement that may concern `owner`: one naming it (or nobody in
-    /// particular), or any after more announcements than are kept went by unseen. Returns the
-    /// token a handoff granted it, if the announcement says so; `None` when the announcer is
-    /// gone.
+    /// particular), from as many distinct nodes as the subscription needs, or any after more
+    /// announcements than are kept went by unseen. Returns the token a handoff granted it, if
+    /// the announcement says so; `None` when the announcer is gone.
     pub(crate) async fn concerning(&mut self, owner: &str) -> Option<Option<FencingToken>> {
+        let need = self.place.as_ref().map_or(1, |p| p.need.max(1));
         while self.rx.changed().await.is_ok() {
             let w = self.rx.borrow_and_update();
-            let unseen = w
-                .recent
-                .iter()
-                .filter(|a| a.seq.wrapping_sub(self.seen) as i64 > 0);
-            let mut found = None;
-            let mut oldest = None;
-            for a in unseen {
-                oldest.get_or_insert(a.seq);
-                if a.concerns(owner) {
-                    // A handoff to this owner wins over any plain wake-up beside it.
-                    if a.granted.is_some() || found.is_none() {
-                        found = Some(a.granted);
-                    }
+            let unseen = || {
+                w.recent
+                    .iter()
+                    .filter(|a| a.seq.wrapping_sub(self.seen) as i64 > 0)
+            };
+            let missed = unseen()
+                .next()
+                .is_none_or(|a| a.seq.wrapping_sub(self.seen) > 1);
+            // A handoff to this owner wins over any plain wake-up beside it.
+            let handoff = unseen()
+                .filter(|a| a.concerns(owner))
+                .find_map(|a| a.granted);
+            for a in unseen().filter(|a| a.concerns(owner)) {
+                if !self.heard.contains(&a.node) {
+                    self.heard.push(a.node);
                 }
             }
-            let missed = oldest.is_none_or(|o| o.wrapping_sub(self.seen) > 1);
             self.seen = w.seq();
-            if found.is_some() {
-                return found;
+            drop(w);
+            if handoff.is_some() {
+                self.heard.clear();
+                return Some(handoff);
             }
-            if missed {
+            if missed || self.heard.len() >= need {
+                self.heard.clear();
                 return Some(None);
             }
         }
         None
     }
+
+    /// Ends the subscription of a waiter that was granted the lock: announcements it did not
+    /// act on are not passed to the next waiter, since the lock is held again.
+    pub(crate) fn settle(mut self) {
+        if let Some(p) = self.place.as_mut() {
+            p.settled = true;
+        }
+    }
+}
+
+impl Drop for WakeRx {
+    fn drop(&mut self) {
+        let Some(place) = self.place.take() else {
+            return;
+        };
+        let owner = place.owner.as_str();
+        let mut owed = std::mem::take(&mut self.heard);
+        {
+            let w = self.rx.borrow();
+            for a in w
+                .recent
+                .iter()
+                .filter(|a| a.seq.wrapping_sub(self.seen) as i64 > 0)
+            {
+                if a.only.as_deref() == Some(owner)
+                    && a.granted.is_none()
+                    && !owed.contains(&a.node)
+                {
+                    owed.push(a.node);
+                }
+            }
+        }
+        let last = place.wakers.leave(&place.name, owner);
+        if last && !place.settled {
+            for node in owed {
+                place.wakers.wake(&place.name, node, None, None);
+            }
+        }
+    }
+}
+
+struct Entry {
+    tx: watch::Sender<Wake>,
+    /// The waiters of this client that took a place, oldest first, each with the number of
+    /// its live subscriptions.
+    waiters: Vec<(String, usize)>,
 }
 
 #[derive(Default)]
 pub(crate) struct Wakers {
-    by_name: Mutex<HashMap<String, watch::Sender<Wake>>>,
+    by_name: Mutex<HashMap<String, Entry>>,
+}
+
+impl std::fmt::Debug for Wakers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wakers")
+    }
 }
 
 impl Wakers {
-    pub(crate) fn subscribe(&self, name: &str) -> WakeRx {
-        let mut map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.by_name.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn receiver(map: &mut HashMap<String, Entry>, name: &str) -> (watch::Receiver<Wake>, u64) {
         if map.len() > PRUNE_ABOVE {
-            map.retain(|_, s| s.receiver_count() > 0);
+            map.retain(|_, e| e.tx.receiver_count() > 0 || !e.waiters.is_empty());
         }
         let rx = map
             .entry(name.to_owned())
-            .or_insert_with(|| watch::channel(Wake::default()).0)
+            .or_insert_with(|| Entry {
+                tx: watch::channel(Wake::default()).0,
+                waiters: Vec::new(),
+            })
+            .tx
             .subscribe();
         // Announcements take the map's lock too, so this is the value the receiver has seen.
         let seen = rx.borrow().seq();
-        WakeRx { rx, seen }
+        (rx, seen)
     }
 
-    /// Announces a release of `name` to its waiters: to all of them, or only to `only` (the
-    /// head of a FIFO queue), which `granted` says already holds the lock with that token.
-    pub(crate) fn wake(&self, name: &str, only: Option<String>, granted: Option<FencingToken>) {
-        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = map.get(name) {
-            s.send_modify(|w| w.push(only, granted));
+    /// Every announcement of `name` from now on, without a place among its waiters.
+    pub(crate) fn subscribe(&self, name: &str) -> WakeRx {
+        let (rx, seen) = Self::receiver(&mut self.entries(), name);
+        WakeRx {
+            rx,
+            seen,
+            heard: Vec::new(),
+            place: None,
+        }
+    }
+
+    /// The announcements of `name` for the waiter `owner`, which keeps its place among the
+    /// waiters while any of its subscriptions lives; a release is `need` nodes' announcements.
+    pub(crate) fn subscribe_as(self: &Arc<Self>, name: &str, owner: &str, need: usize) -> WakeRx {
+        let mut map = self.entries();
+        let (rx, seen) = Self::receiver(&mut map, name);
+        if let Some(e) = map.get_mut(name) {
+            match e.waiters.iter_mut().find(|(o, _)| o == owner) {
+                Some((_, refs)) => *refs += 1,
+                None => e.waiters.push((owner.to_owned(), 1)),
+            }
+        }
+        WakeRx {
+            rx,
+            seen,
+            heard: Vec::new(),
+            place: Some(Place {
+                wakers: self.clone(),
+                name: name.to_owned(),
+                owner: owner.to_owned(),
+                need,
+                settled: false,
+            }),
+        }
+    }
+
+    /// One subscription of `owner` ended; whether it was its last.
+    fn leave(&self, name: &str, owner: &str) -> bool {
+        let mut map = self.entries();
+        let Some(e) = map.get_mut(name) else {
+            return true;
+        };
+        let Some(i) = e.waiters.iter().position(|(o, _)| o == owner) else {
+            return true;
+        };
+        e.waiters[i].1 -= 1;
+        if e.waiters[i].1 == 0 {
+            e.waiters.remove(i);
+            return true;
+        }
+        false
+    }
+
+    /// Announces a release of `name` by `node` to its waiters: to `only` (the head of a FIFO
+    /// queue, which `granted` says already holds the lock with that token), or, naming nobody,
+    /// to the oldest waiter with a place (to every subscriber when none has one).
+    pub(crate) fn wake(
+        &self,
+        name: &str,
+        node: usize,
+        only: Option<String>,
+        granted: Option<FencingToken>,
+    ) {
+        let map = self.entries();
+        if let Some(e) = map.get(name) {
+            let only = only.or_else(|| e.waiters.first().map(|(o, _)| o.clone()));
+            e.tx.send_modify(|w| w.push(node, only, granted));
         }
     }
 }
@@ -190,8 +355,8 @@ mod tests {
             wakers.subscribe("r"),
         );
         // Two nodes announce one release, each naming its own queue head.
-        wakers.wake("r", Some("w1".into()), None);
-        wakers.wake("r", Some("w2".into()), Some(FencingToken::new(7)));
+        wakers.wake("r", 0, Some("w1".into()), None);
+        wakers.wake("r", 1, Some("w2".into()), Some(FencingToken::new(7)));
         assert_eq!(concerning(&mut w1, "w1").await, Some(None));
         assert_eq!(
             concerning(&mut w2, "w2").await,
@@ -199,7 +364,7 @@ mod tests {
         );
         assert_eq!(concerning(&mut w3, "w3").await, None);
         // An announcement naming nobody concerns everybody.
-        wakers.wake("r", None, None);
+        wakers.wake("r", 0, None, None);
         assert_eq!(concerning(&mut w3, "w3").await, Some(None));
     }
 
@@ -208,11 +373,63 @@ mod tests {
         let wakers = Wakers::default();
         let mut w = wakers.subscribe("r");
         for i in 0..=Wake::KEPT {
-            wakers.wake("r", Some(format!("other-{i}")), None);
+            wakers.wake("r", 0, Some(format!("other-{i}")), None);
         }
         assert_eq!(concerning(&mut w, "w").await, Some(None));
         let mut late = wakers.subscribe("r");
-        wakers.wake("r", Some("other".into()), None);
+        wakers.wake("r", 0, Some("other".into()), None);
         assert_eq!(concerning(&mut late, "w").await, None);
+    }
+
+    #[tokio::test]
+    async fn a_release_naming_nobody_wakes_the_oldest_waiter_only() {
+        let wakers = Arc::new(Wakers::default());
+        let mut first = wakers.subscribe_as("r", "w1", 1);
+        let mut second = wakers.subscribe_as("r", "w2", 1);
+        wakers.wake("r", 0, None, None);
+        assert_eq!(concerning(&mut second, "w2").await, None);
+        assert_eq!(concerning(&mut first, "w1").await, Some(None));
+        // A retry subscribes again before the old subscription ends: the place is kept.
+        let again = wakers.subscribe_as("r", "w1", 1);
+        drop(first);
+        wakers.wake("r", 0, None, None);
+        assert_eq!(concerning(&mut second, "w2").await, None);
+        drop(again);
+        wakers.wake("r", 0, None, None);
+        assert_eq!(concerning(&mut second, "w2").await, Some(None));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_that_gives_up_passes_its_wake_up_on_unless_it_was_granted() {
+        let wakers = Arc::new(Wakers::default());
+        let first = wakers.subscribe_as("r", "w1", 1);
+        let mut second = wakers.subscribe_as("r", "w2", 1);
+        wakers.wake("r", 0, None, None);
+        drop(first);
+        assert_eq!(concerning(&mut second, "w2").await, Some(None));
+
+        let granted = wakers.subscribe_as("r", "w3", 1);
+        let mut last = wakers.subscribe_as("r", "w4", 1);
+        drop(second);
+        wakers.wake("r", 0, None, None);
+        granted.settle();
+        assert_eq!(concerning(&mut last, "w4").await, None);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_on_a_quorum_retries_once_enough_nodes_released() {
+        let wakers = Arc::new(Wakers::default());
+        let mut w = wakers.subscribe_as("r", "w", 2);
+        wakers.wake("r", 1, None, None);
+        wakers.wake("r", 1, None, None);
+        assert_eq!(concerning(&mut w, "w").await, None);
+        wakers.wake("r", 2, None, None);
+        assert_eq!(concerning(&mut w, "w").await, Some(None));
+        // A handoff needs no quorum.
+        wakers.wake("r", 0, Some("w".into()), Some(FencingToken::new(9)));
+        assert_eq!(
+            concerning(&mut w, "w").await,
+            Some(Some(FencingToken::new(9)))
+        );
     }
 }

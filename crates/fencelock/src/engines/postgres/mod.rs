@@ -660,7 +660,7 @@ async fn listen_for_wakeups(
         });
         client.batch_execute(&format!("LISTEN {channel}")).await?;
         while let Some(name) = rx.recv().await {
-            wakers.wake(&name, None, None);
+            wakers.wake(&name, 0, None, None);
         }
         driver.abort();
         Ok::<(), tokio_postgres::Error>(())

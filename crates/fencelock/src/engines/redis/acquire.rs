@@ -171,22 +171,13 @@ impl RedisEngine {
         let keys = self.keys(&req.name);
         // Subscribed before the attempt is sent: a release announced after the refusal below
         // changes this receiver even if the waiter has not started waiting yet.
-        let wake = self.wakers.subscribe(&req.name);
+        let wake = self.wakers.subscribe_as(&req.name, &req.owner, self.quorum);
         let limit = self.node_timeout(req.ttl);
         let floor = self.floor();
         let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&req.meta));
         let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
-        // Decided once a quorum granted: the slowest node's answer changes nothing then (the
-        // raise below counts a node that did not answer as one to raise), and on machines
-        // where the nodes share the client's cores it is the one that comes last. While a
-        // node sits out after a restart its grant is no vote, so every answer is awaited.
-        let all_vote = self.nodes.iter().all(Node::votes);
-        let quorum = self.quorum;
         let answers = self
-            .ask_until(
-                |n| self.acquire_on(n, req, fair, &keys, floor, &tail, limit),
-                |ok| all_vote && ok.iter().filter(|a| granted(a)).count() >= quorum,
-            )
+            .ask(|n| self.acquire_on(n, req, fair, &keys, floor, &tail, limit))
             .await
             .only_votes();
 
@@ -224,6 +215,7 @@ impl RedisEngine {
             // Raise the counter to `top` where it is lower, so a majority holds at least `top`.
             let at_top = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(t) if *t == top);
             if answers.raise_to(&keys.fence, top, at_top, limit).await {
+                wake.settle();
                 return Ok(Attempt::Granted(FencingToken::new(top)));
             }
             errors.push("the fencing counter could not be raised on a majority".to_owned());

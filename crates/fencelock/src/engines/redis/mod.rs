@@ -55,12 +55,13 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
     let wakers = Arc::new(Wakers::default());
     let channel = keys::client_channel(&cfg.prefix, &format!("{:016x}", rand::random::<u64>()));
     let mut conns = Vec::with_capacity(nodes.len());
-    for (node, client) in nodes.iter().zip(clients) {
+    for (i, (node, client)) in nodes.iter().zip(clients).enumerate() {
         let (node, client) = Node::connect(kind, node, client, cfg.op_timeout)?;
         tokio::spawn(wakeup::listen_for_wakeups(
             client,
             cfg.prefix.clone(),
             channel.clone(),
+            i,
             wakers.clone(),
             shutdown.clone(),
         ));

@@ -22,6 +22,7 @@ pub(super) async fn listen_for_wakeups(
     client: redis::Client,
     prefix: String,
     channel: String,
+    node: usize,
     wakers: Arc<Wakers>,
     shutdown: CancellationToken,
 ) {
@@ -35,12 +36,12 @@ pub(super) async fn listen_for_wakeups(
             let payload = msg.get_payload_bytes();
             if msg.get_channel_name() == channel {
                 if let Some((name, owner, token)) = handoff_payload(&prefix, payload) {
-                    wakers.wake(name, Some(owner.to_owned()), Some(token));
+                    wakers.wake(name, node, Some(owner.to_owned()), Some(token));
                 }
             } else if let Some(name) = keys::name_of_wake_channel(&prefix, msg.get_channel_name()) {
                 let only =
                     Some(String::from_utf8_lossy(payload).into_owned()).filter(|o| !o.is_empty());
-                wakers.wake(name, only, None);
+                wakers.wake(name, node, only, None);
             }
         }
         Ok::<(), redis::RedisError>(())
