@@ -656,7 +656,9 @@ async fn pg_holder_cut(rows: &mut Vec<Row>) {
 /// Jobs grants, payments grants and failed acquisitions (all payments') so far.
 fn shard_counts(s: &chaos_kit::Shared) -> (usize, usize, usize) {
     let s = s.lock().unwrap();
-    let jobs = s.grants.iter().filter(|g| g.resource < 100).count();
+    // The side loops (payments) report under resources from `SIDE_ID_OFFSET / 10` on.
+    let side = (chaos_kit::SIDE_ID_OFFSET / 10) as usize;
+    let jobs = s.grants.iter().filter(|g| g.resource < side).count();
     (jobs, s.grants.len() - jobs, s.fails)
 }
 
