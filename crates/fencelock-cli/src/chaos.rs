@@ -5,6 +5,10 @@
 //! a zombie would: the point of the suite is that the ledger's fence, not the client's good
 //! manners, keeps stale writes out. Timestamps are CLOCK_MONOTONIC nanoseconds, which every
 //! process of a machine shares, so the suite can order events across processes.
+//!
+//! With `--side NAME` the same client runs a second such loop on another name, reported under
+//! id `id + 1000` on a connection of its own: the shards row routes the two names to different
+//! backends and cuts one off, to see whether the other's loop in the same process slows down.
 
 use std::time::Duration;
 
@@ -40,7 +44,16 @@ pub struct WorkerArgs {
     /// The client's per-call deadline (a partitioned node answers never).
     #[arg(long, value_parser = parse_duration, default_value = "5s")]
     op_timeout: Duration,
+    /// A second resource name the same client locks in a loop of its own.
+    #[arg(long)]
+    side: Option<String>,
+    /// How long one acquisition of the side name waits before it is reported as failed.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    side_wait: Duration,
 }
+
+/// The ledger id of the side loop of worker `id`.
+const SIDE_ID_OFFSET: u32 = 1000;
 
 /// `at` on CLOCK_MONOTONIC, in nanoseconds. Both clocks are CLOCK_MONOTONIC, but an `Instant`
 /// shows no raw value: the offset is read as a pair of readings, taken again when the process
@@ -74,11 +87,9 @@ pub fn mono_ns() -> u128 {
 }
 
 pub async fn worker(args: WorkerArgs) -> Result<u8> {
-    let url = match &args.backend.backend {
-        Some(u) => u.clone(),
-        None => fencelock::default_url().map_err(fail)?,
-    };
-    let client = fencelock::Client::builder(url)
+    // `--backend URL` or a routing configuration (`--config`), as every command takes them.
+    let target = crate::config::target(&args.backend).map_err(fail)?;
+    let client = crate::config::builder(target)
         .prefix(&args.backend.prefix)
         .client_name("fencelock-chaos")
         .max_ttl(args.max_ttl)
@@ -86,17 +97,46 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
         .connect()
         .await
         .map_err(fail)?;
-    let stream = tokio::net::TcpStream::connect(&args.ledger).await?;
+    let main = lock_loop(
+        &client,
+        &args.name,
+        args.id,
+        &args.ledger,
+        LockOptions::default().ttl(args.ttl).wait(args.wait),
+    );
+    let Some(side) = &args.side else {
+        return main.await;
+    };
+    let side = lock_loop(
+        &client,
+        side,
+        args.id + SIDE_ID_OFFSET,
+        &args.ledger,
+        LockOptions::default().ttl(args.ttl).wait(args.side_wait),
+    );
+    // Both loops run until the suite stops the process or closes the ledger.
+    let (main, side) = tokio::join!(main, side);
+    main.and(side)
+}
+
+/// Locks `name` in a loop, reporting to the ledger as worker `id`, until the ledger closes.
+async fn lock_loop(
+    client: &fencelock::Client,
+    name: &str,
+    id: u32,
+    ledger: &str,
+    opts: LockOptions,
+) -> Result<u8> {
+    let ttl = opts.ttl_value();
+    let stream = tokio::net::TcpStream::connect(ledger).await?;
     let (read, write) = stream.into_split();
     // The loss reporter below writes to the ledger too, from its own task.
     let write = std::sync::Arc::new(tokio::sync::Mutex::new(write));
     let mut lines = BufReader::new(read).lines();
-    let id = args.id;
     send(&write, format!("HELLO {id} {}\n", std::process::id())).await?;
-    let opts = LockOptions::default().ttl(args.ttl).wait(args.wait);
     loop {
         let requested = mono_ns();
-        let lease = match client.acquire(&args.name, &opts).await {
+        let lease = match client.acquire(name, &opts).await {
             Ok(l) => l,
             Err(e) if e.kind() == fencelock::ErrorKind::InvalidInput => return Err(fail(e)),
             Err(e) => {
@@ -139,7 +179,7 @@ pub async fn worker(args: WorkerArgs) -> Result<u8> {
         let _ = lease.release().await;
         // A short random rest after each release gives the other workers, and so the victim
         // the suite pauses, their turn: otherwise the releaser usually wins again at once.
-        let rest = args.ttl.mul_f64((mono_ns() % 1000) as f64 / 4000.0);
+        let rest = ttl.mul_f64((mono_ns() % 1000) as f64 / 4000.0);
         tokio::time::sleep(rest).await;
     }
 }

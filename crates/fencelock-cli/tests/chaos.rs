@@ -53,6 +53,10 @@ async fn chaos_suite() {
             url_for: None,
             cut: None,
             worker_args: vec![],
+            victim_realtime: false,
+            names: "chaos-".into(),
+            side: None,
+            config: None,
         };
         let o = execute(
             run,
@@ -100,6 +104,10 @@ async fn chaos_suite() {
             url_for: None,
             cut: None,
             worker_args: vec![],
+            victim_realtime: false,
+            names: "chaos-".into(),
+            side: None,
+            config: None,
         };
         let jump = stamp.clone();
         let secs_total = if long_form() { 20 } else { 4 };
@@ -138,6 +146,10 @@ async fn chaos_suite() {
             url_for: None,
             cut: None,
             worker_args: vec![],
+            victim_realtime: false,
+            names: "chaos-".into(),
+            side: None,
+            config: None,
         };
         let rounds = if long_form() { 40 } else { 8 };
         let n2 = nodes.clone();
@@ -213,6 +225,10 @@ async fn chaos_suite() {
             url_for: None,
             cut: None,
             worker_args: vec![],
+            victim_realtime: false,
+            names: "chaos-".into(),
+            side: None,
+            config: None,
         };
         let rounds = 3;
         let s2 = servers.clone();

@@ -209,16 +209,32 @@ fn overlaps(o: &Outcome) -> Vec<(Grant, Grant)> {
     out
 }
 
-/// Checks the loss reports of a row whose victims were cut off: every cut-off holder learnt of
-/// its loss, and its validity window had ended before a successor was granted the resource.
-/// Prints the shares that learnt by their validity deadline and before the successor's grant:
-/// those also depend on the scheduler waking the process in time (the watchdog gives up one
-/// drift allowance early, and a starved process can still wake later than that), so they are
-/// measured, not asserted; the long form reports them.
-fn check_losses(o: &Outcome, what: &str) {
+/// Checks the loss reports of a row whose victims were cut off: every cut-off holder was told
+/// of its loss by the end of its validity window (invariant 4, no silent loss: `Lease::lost`
+/// completed, its work cancelled; target and assertion 100 %), and that window had ended before
+/// a successor was granted the resource.
+///
+/// "Told" is the moment the library signalled the loss, which the lease itself records: its
+/// validity is cut to that instant when it comes before the deadline (a signal at or after the
+/// deadline leaves the deadline, and fails the check). When the holder's own thread then ran
+/// to see it is the kernel's business; it is measured and printed (the lag, and how many saw it
+/// only after the deadline), not asserted. As ordinary processes on this 2-core machine at a
+/// load of 9 to 11 from other builds, 8 or 9 of 240 cut-off holders saw the loss 0.4-54 ms after
+/// their deadline; each of those had waited 30-94 ms on the run queue during its 200 ms window
+/// (/proc schedstat; 10 ms for the median cycle), and in some of them the watchdog's own timer,
+/// due 4 ms before the deadline, had not been run in time either. So the victims run under
+/// SCHED_FIFO (`Run::victim_realtime`): the library's timer is then run when due, and what the
+/// check measures is the library, not the neighbours' builds.
+///
+/// The deadline is the one the grant reported, unless the ledger applied the cut late enough
+/// for a renewal to have been confirmed first (it starts a third of the TTL after the grant):
+/// then the renewal's deadline, at most one TTL less the drift after the cut, is allowed.
+fn check_losses(o: &Outcome, what: &str, ttl: Duration) {
+    let drift = (ttl / 100 + Duration::from_millis(2)).as_nanos();
+    let ttl_ns = ttl.as_nanos();
     let victims: Vec<&Grant> = o.grants.iter().filter(|g| g.worker % 10 == 0).collect();
-    let (mut cut, mut by_deadline, mut before_successor) = (0, 0, 0);
-    let mut late_max = 0u128;
+    let (mut cut, mut before_successor, mut late_cuts) = (0, 0, 0);
+    let (mut margin_min, mut queued_max, mut lag_max, mut seen_late) = (u128::MAX, 0, 0, 0);
     for v in &victims {
         let successor = o
             .grants
@@ -245,21 +261,47 @@ fn check_losses(o: &Outcome, what: &str) {
             l.valid_until,
             next.acquired
         );
-        if l.at <= v.valid_until {
-            by_deadline += 1;
-        } else {
-            late_max = late_max.max(l.at - v.valid_until);
+        let mut deadline = v.valid_until;
+        if let Some(&at) = o.cut_at.get(&(v.worker, v.token)) {
+            // The first renewal starts a third of the TTL after the grant was registered,
+            // which was at least `ttl - drift` before its deadline.
+            if at + ttl_ns - drift >= v.valid_until + ttl_ns / 3 {
+                late_cuts += 1;
+                deadline = deadline.max(at + ttl_ns - drift);
+            }
         }
+        // Both readings of one unmoved deadline agree within a few microseconds (each is an
+        // Instant mapped to CLOCK_MONOTONIC); a loss signalled in time cut it by more.
+        let told = l.valid_until;
+        assert!(
+            told + 100_000 < deadline,
+            "{what}: holder {} was not told of its loss before its validity deadline (its \
+             thread saw it {:.2} ms after the deadline, having waited {:.1} ms on the run queue \
+             since its grant; victim {v:?}, loss {l:?})",
+            v.worker,
+            (l.at as f64 - deadline as f64) / 1e6,
+            l.queued as f64 / 1e6
+        );
+        margin_min = margin_min.min(deadline - told);
+        lag_max = lag_max.max(l.at.saturating_sub(told));
+        if l.at > deadline {
+            seen_late += 1;
+        }
+        queued_max = queued_max.max(l.queued);
         if l.at < next.acquired {
             before_successor += 1;
         }
     }
     assert!(cut > 0, "{what}: no victim was cut off");
     println!(
-        "{what}: of {cut} cut-off holders, {by_deadline} learnt of the loss by their validity \
-         deadline (the others at most {:.1} ms late) and {before_successor} before the \
-         successor's grant; every validity window ended before the successor's grant",
-        late_max as f64 / 1e6
+        "{what}: {cut} of {cut} cut-off holders told of the loss by their validity deadline \
+         (the closest {:.1} ms before it; {late_cuts} cut after a renewal could have landed); \
+         their threads saw it at most {:.1} ms after, {seen_late} of them after the deadline; \
+         run-queue wait per window at most {:.1} ms; {before_successor} saw it before the \
+         successor's grant, and every validity window ended before it",
+        margin_min as f64 / 1e6,
+        lag_max as f64 / 1e6,
+        queued_max as f64 / 1e6
     );
 }
 
@@ -269,6 +311,7 @@ async fn holder_cut(rows: &mut Vec<Row>) {
     let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
     let net = PerWorker::new(&ports);
     let mut run = Run::new("", TTL, 4, 2, Policy::CutVictim);
+    run.victim_realtime = true;
     let n2 = net.clone();
     run.url_for = Some(Arc::new(move |id| {
         format!("redlock://{}", n2.addrs_for(id).join(","))
@@ -290,13 +333,13 @@ async fn holder_cut(rows: &mut Vec<Row>) {
     let row = Row::of("redlock", "holder cut off from 2 of 3", &o);
     assert_safe(&row);
     assert!(row.cycles >= cycles, "{} cycles", row.cycles);
-    assert_eq!(row.v.double_grants, 0, "{:?}", row.v);
+    assert_eq!(row.v.double_grants, 0, "{:?} {:?}", row.v, overlaps(&o));
     assert!(
         row.v.writes_refused > 0,
         "no cut-off write refused: {:?}",
         row.v
     );
-    check_losses(&o, "redlock holder cut off from 2 of 3");
+    check_losses(&o, "redlock holder cut off from 2 of 3", TTL);
     rows.push(row);
     drop(nodes);
 }
@@ -445,6 +488,7 @@ async fn cut_off_from_all(
         .collect();
     let net = PerWorker::new(&ports);
     let mut run = Run::new("", ttl, 2, 2, Policy::CutVictim);
+    run.victim_realtime = true;
     let n2 = net.clone();
     run.url_for = Some(Arc::new(move |id| url(&n2.addrs_for(id))));
     let n3 = net.clone();
@@ -471,7 +515,7 @@ async fn cut_off_from_all(
         "no cut-off write refused: {:?}",
         row.v
     );
-    check_losses(&o, &format!("{engine} {scenario}"));
+    check_losses(&o, &format!("{engine} {scenario}"), ttl);
     (row, o)
 }
 
@@ -609,18 +653,184 @@ async fn pg_holder_cut(rows: &mut Vec<Row>) {
     drop(server);
 }
 
+/// Jobs grants, payments grants and failed acquisitions (all payments') so far.
+fn shard_counts(s: &chaos_kit::Shared) -> (usize, usize, usize) {
+    let s = s.lock().unwrap();
+    // The side loops (payments) report under resources from `SIDE_ID_OFFSET / 10` on.
+    let side = (chaos_kit::SIDE_ID_OFFSET / 10) as usize;
+    let jobs = s.grants.iter().filter(|g| g.resource < side).count();
+    (jobs, s.grants.len() - jobs, s.fails)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (v[(n - 1) / 2] + v[n / 2]) / 2.0
+}
+
+/// The shards row (routes by prefix, docs/routing.md): every worker's client routes `jobs/*`
+/// to one Redis server and `payments/*` to a Redlock of three others behind fault proxies.
+/// Sixteen workers lock `jobs/*` names, and the same sixteen clients lock `payments/*` names
+/// in a second loop each (`chaos-worker --side`), so a payments call hangs in the process whose
+/// jobs throughput is measured. With payments blackholed, jobs must keep at least 90 % of its
+/// undisturbed throughput, and every payments call must fail within its wait plus the call
+/// under way.
+///
+/// The comparison has to hold on a 2-core machine that other builds share, whose load swings
+/// by several times within seconds. Undisturbed and disturbed windows of the same length
+/// alternate in pairs, undisturbed first, in the order calm-cut, cut-calm, calm-cut, ...: the two
+/// windows of a pair are a second apart and see nearly the same load, the alternating order
+/// cancels a load that rises or falls steadily, and the median of the pairs' ratios ignores a
+/// pair that a neighbour's burst hit on one side only.
+async fn shards(rows: &mut Vec<Row>) {
+    let nodes = start_redis_nodes(4).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|s| s.port()).collect();
+    let net = Arc::new(Net::new(&ports[..3]));
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("routes.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[backends]\npayments = \"redlock://{}\"\njobs = \"redis://127.0.0.1:{}\"\n\n\
+             [[route]]\nprefix = \"payments/\"\nbackend = \"payments\"\n\n\
+             [[route]]\nprefix = \"jobs/\"\nbackend = \"jobs\"\n",
+            net.addrs(),
+            ports[3]
+        ),
+    )
+    .unwrap();
+    let mut run = Run::new("", TTL, 8, 2, Policy::Go);
+    run.config = Some(config);
+    run.names = "jobs/".into();
+    run.side = Some(("payments/".into(), WAIT));
+    run.worker_args = vec![
+        "--op-timeout".into(),
+        format!("{}ms", OP_TIMEOUT.as_millis()),
+    ];
+    let (pairs, window) = if long_form() {
+        (20, Duration::from_millis(2000))
+    } else {
+        (6, Duration::from_millis(700))
+    };
+    // After a switch: long enough for a payments grant answered before the cut to reach the
+    // ledger, and for a lock taken by a request held in the blackhole to expire after the heal.
+    let settle = TTL;
+    // (cut, jobs grants/s, payments grants, failed acquisitions, start and end) per window.
+    type Window = (bool, f64, usize, usize, u128, u128);
+    let windows: Arc<Mutex<Vec<Window>>> = Arc::default();
+    let (net2, windows2) = (net.clone(), windows.clone());
+    let o = execute(
+        run,
+        Duration::from_secs(if long_form() { 240 } else { 60 }),
+        |_| false,
+        move |state, _, _| async move {
+            // Every worker connected, and both routes warm (connections open, scripts loaded).
+            while shard_counts(&state).0 < 32 || shard_counts(&state).1 < 8 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for pair in 0..pairs {
+                for cut in [pair % 2 == 1, pair % 2 == 0] {
+                    for p in &net2.proxies {
+                        p.set(if cut { Fault::Blackhole } else { Fault::Pass });
+                    }
+                    tokio::time::sleep(settle).await;
+                    let (j0, p0, f0) = shard_counts(&state);
+                    let (started, from) = (std::time::Instant::now(), mono_ns());
+                    tokio::time::sleep(window).await;
+                    let (j1, p1, f1) = shard_counts(&state);
+                    let rate = (j1 - j0) as f64 / started.elapsed().as_secs_f64();
+                    let w = (cut, rate, p1 - p0, f1 - f0, from, mono_ns());
+                    windows2.lock().unwrap().push(w);
+                }
+            }
+            for p in &net2.proxies {
+                p.heal();
+            }
+        },
+    )
+    .await;
+    let row = Row {
+        cycles: pairs,
+        ..Row::of("routes", "payments cut, 16 on jobs", &o)
+    };
+    assert_safe(&row);
+    assert_eq!(row.v.double_grants, 0, "{:?} {:?}", row.v, overlaps(&o));
+    let windows = windows.lock().unwrap();
+    assert_eq!(windows.len(), 2 * pairs, "every window ran");
+    let (mut calm, mut cut, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for w in windows.chunks(2) {
+        let (c, d) = if w[0].0 {
+            (&w[1], &w[0])
+        } else {
+            (&w[0], &w[1])
+        };
+        assert!(
+            c.2 > 0,
+            "no payments grant while payments was reachable: {c:?}"
+        );
+        assert_eq!(d.2, 0, "a payments grant while it was blackholed: {d:?}");
+        assert!(
+            d.3 > 0,
+            "no payments call failed while it was blackholed: {d:?}"
+        );
+        calm.push(c.1);
+        cut.push(d.1);
+        ratios.push(d.1 / c.1);
+    }
+    let ratio = median(&ratios);
+    // A payments call begun while payments was blackholed gives up at its wait, plus at most
+    // the one call in flight then. (One begun before a cut can take longer: a lock it found
+    // held is released, and its holder looked up, through the blackhole.)
+    let in_cut = |at: u128| windows.iter().any(|w| w.0 && w.4 <= at && at <= w.5);
+    let cut_fails: Vec<u128> = (o.fail_at.iter().zip(&o.fail_ns))
+        .filter(|(at, _)| in_cut(**at))
+        .map(|(_, took)| *took)
+        .collect();
+    assert!(
+        !cut_fails.is_empty(),
+        "no payments call began and failed in a cut window"
+    );
+    let slowest = cut_fails.iter().max().copied().unwrap_or(0);
+    let bound = (WAIT + OP_TIMEOUT * 2 + Duration::from_millis(100)).as_nanos();
+    println!(
+        "shards: jobs grants/s undisturbed {calm:.0?} (median {:.0}), payments blackholed \
+         {cut:.0?} (median {:.0}); median ratio of the pairs {ratio:.3} (each {ratios:.2?}); \
+         {} payments calls begun in a cut window failed, the slowest in {:.0} ms (bound \
+         {:.0} ms)",
+        median(&calm),
+        median(&cut),
+        cut_fails.len(),
+        slowest as f64 / 1e6,
+        bound as f64 / 1e6
+    );
+    assert!(
+        ratio >= 0.9,
+        "jobs throughput fell by more than 10% while payments was blackholed: {ratios:?}"
+    );
+    assert!(
+        slowest <= bound,
+        "a payments call took {slowest} ns to fail"
+    );
+    rows.push(row);
+    drop(nodes);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions() {
     let mut rows = Vec::new();
-    // FENCELOCK_CHAOS_ONLY=WORD runs only the rows whose function name contains WORD.
+    // FENCELOCK_CHAOS_ONLY=ROW[,ROW...] runs only the rows of those function names.
     let only = std::env::var("FENCELOCK_CHAOS_ONLY").unwrap_or_default();
-    let wanted = |row: &str| row.contains(only.as_str());
+    let wanted = |row: &str| only.is_empty() || only.split(',').any(|w| w.trim() == row);
     if wanted("masks") {
         masks(3, &mut rows).await;
         masks(5, &mut rows).await;
     }
     if wanted("holder_cut") {
         holder_cut(&mut rows).await;
+    }
+    if wanted("shards") {
+        shards(&mut rows).await;
     }
     if wanted("flapping") {
         flapping(&mut rows).await;

@@ -70,6 +70,33 @@ pub struct Lost {
     pub token: u64,
     pub at: u128,
     pub valid_until: u128,
+    /// How long the worker's threads sat runnable on a run queue, not running, between the
+    /// ledger's receipt of the grant and of the loss (summed over its threads, ns): what the
+    /// kernel, not the lock, made it wait.
+    pub queued: u128,
+}
+
+/// The time the threads of process `pid` have spent runnable but waiting for a CPU, in ns
+/// (the second field of `/proc/PID/task/TID/schedstat`), summed over its threads; 0 when the
+/// kernel does not say.
+pub fn run_queue_wait(pid: u32) -> u128 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u128>().ok())
+        .sum()
+}
+
+/// Whether this machine lets the suite run a worker under SCHED_FIFO (`chrt`, root or
+/// CAP_SYS_NICE).
+pub fn realtime_available() -> bool {
+    std::process::Command::new("chrt")
+        .args(["-f", "1", "true"])
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 #[derive(Default)]
@@ -82,7 +109,14 @@ pub struct State {
     pub fails: usize,
     /// How long each failed acquisition took, in ns.
     pub fail_ns: Vec<u128>,
+    /// When each failed acquisition began (CLOCK_MONOTONIC ns, as received less its length).
+    pub fail_at: Vec<u128>,
     pub cycles: usize,
+    /// When the ledger applied the cut to a victim's grant (worker, token): a renewal
+    /// confirmed before then may have moved the grant's deadline.
+    pub cut_at: HashMap<(u32, u64), u128>,
+    /// The victim's run-queue wait when the ledger received its grant (worker, token).
+    pub queued_at_grant: HashMap<(u32, u64), u128>,
 }
 
 pub type Shared = Arc<Mutex<State>>;
@@ -126,7 +160,22 @@ pub struct Run {
     pub cut: Option<Cutter>,
     /// Extra `chaos-worker` arguments (`--wait`, `--op-timeout`).
     pub worker_args: Vec<String>,
+    /// Runs worker 0 of each resource under SCHED_FIFO (`chrt -f 1`), for rows that measure
+    /// when the holder learnt of its loss: on a shared machine an ordinary process waits on
+    /// the run queue for tens of milliseconds at a time, and would measure the neighbours'
+    /// load rather than the library (see `check_losses` in `partitions.rs`).
+    pub victim_realtime: bool,
+    /// Resource names are `{names}{run tag}-{resource}`.
+    pub names: String,
+    /// A second name each worker's client locks in a loop of its own, `{prefix}{run tag}-{resource}`
+    /// (reported as worker `id + 1000`, so under resource `100 + resource`), with this wait.
+    pub side: Option<(String, Duration)>,
+    /// A routing configuration the workers open (`--config`) instead of `url`.
+    pub config: Option<std::path::PathBuf>,
 }
+
+/// The ledger id of worker `id`'s side loop (`chaos-worker --side`).
+pub const SIDE_ID_OFFSET: u32 = 1000;
 
 impl Run {
     /// A run of `resources` x `per_resource` workers on `url` with the defaults of the suite.
@@ -148,6 +197,10 @@ impl Run {
             url_for: None,
             cut: None,
             worker_args: vec![],
+            victim_realtime: false,
+            names: "chaos-".into(),
+            side: None,
+            config: None,
         }
     }
 }
@@ -179,18 +232,27 @@ async fn handle(
             }
             ["FAIL", _, _, took] => {
                 let mut s = state.lock().unwrap();
+                let took: u128 = took.parse().unwrap();
                 s.fails += 1;
-                s.fail_ns.push(took.parse().unwrap());
+                s.fail_ns.push(took);
+                s.fail_at.push(mono_ns().saturating_sub(took));
             }
             ["FAIL", ..] => state.lock().unwrap().fails += 1,
             ["LOST", id, token, at, valid] => {
-                let l = Lost {
+                let mut l = Lost {
                     worker: id.parse().unwrap(),
                     token: token.parse().unwrap(),
                     at: at.parse().unwrap(),
                     valid_until: valid.parse().unwrap(),
+                    queued: 0,
                 };
                 let mut s = state.lock().unwrap();
+                if let (Some(pid), Some(before)) = (
+                    s.pids.get(&l.worker),
+                    s.queued_at_grant.get(&(l.worker, l.token)),
+                ) {
+                    l.queued = run_queue_wait(*pid).saturating_sub(*before);
+                }
                 if let Some(g) = s
                     .grants
                     .iter_mut()
@@ -249,9 +311,19 @@ async fn handle(
                 } else if victim && policy == Policy::HoldVictim {
                     hold.notified().await;
                 } else if victim && policy == Policy::CutVictim {
+                    {
+                        let mut s = state.lock().unwrap();
+                        let queued = s.pids.get(&id).map_or(0, |p| run_queue_wait(*p));
+                        s.queued_at_grant.insert((id, g.token), queued);
+                    }
                     if let Some(cut) = &cut {
                         cut(id, true);
                     }
+                    state
+                        .lock()
+                        .unwrap()
+                        .cut_at
+                        .insert((id, g.token), mono_ns());
                     let until = tokio::time::Instant::now() + ttl * 6;
                     while tokio::time::Instant::now() < until {
                         let (lost, succeeded) = {
@@ -345,21 +417,49 @@ where
         run.victim_env.clone(),
     );
     let (url_for, extra) = (run.url_for.clone(), run.worker_args.clone());
+    let realtime = run.victim_realtime;
+    let (names, side, config) = (run.names.clone(), run.side.clone(), run.config.clone());
+    if realtime {
+        assert!(
+            realtime_available(),
+            "this row runs its cut-off holders under SCHED_FIFO: it needs chrt (util-linux) \
+             and root or CAP_SYS_NICE"
+        );
+    }
     let spawn: Spawner = Arc::new(move |id: u32| {
         let url = url_for.as_ref().map_or_else(|| url.clone(), |f| f(id));
-        let mut cmd = fencelock(&["chaos-worker", "--backend", &url, "--ttl"]);
+        let (flag, target) = match &config {
+            Some(path) => ("--config", path.display().to_string()),
+            None => ("--backend", url),
+        };
+        let worker = ["chaos-worker", flag, &target, "--ttl"];
+        let mut cmd = if realtime && id % 10 == 0 {
+            // chrt execs the worker: same pid, every thread of it under SCHED_FIFO.
+            let mut cmd = crate::common::BinCommand::new("chrt");
+            cmd.args(["-f", "1", env!("CARGO_BIN_EXE_fencelock")])
+                .args(worker);
+            cmd
+        } else {
+            fencelock(&worker)
+        };
         cmd.arg(format!("{}ms", ttl.as_millis()))
             .arg("--max-ttl")
             .arg(format!("{}ms", max_ttl.as_millis()))
             .args([
                 "--name",
-                &format!("chaos-{tag}-{}", resource_of(id)),
+                &format!("{names}{tag}-{}", resource_of(id)),
                 "--ledger",
                 &ledger,
             ])
             .args(["--id", &id.to_string()])
             .args(&extra)
             .discard_output();
+        if let Some((prefix, wait)) = &side {
+            cmd.arg("--side")
+                .arg(format!("{prefix}{tag}-{}", resource_of(id)))
+                .arg("--side-wait")
+                .arg(format!("{}ms", wait.as_millis()));
+        }
         if id % 10 == 0 {
             cmd.envs(victim_env.iter().cloned());
         }
@@ -405,6 +505,8 @@ where
         grants: s.grants.clone(),
         lost: s.lost.clone(),
         fail_ns: s.fail_ns.clone(),
+        fail_at: s.fail_at.clone(),
+        cut_at: s.cut_at.clone(),
     }
 }
 
@@ -417,6 +519,8 @@ pub struct Outcome {
     pub grants: Vec<Grant>,
     pub lost: Vec<Lost>,
     pub fail_ns: Vec<u128>,
+    pub fail_at: Vec<u128>,
+    pub cut_at: HashMap<(u32, u64), u128>,
 }
 
 pub struct Row {
