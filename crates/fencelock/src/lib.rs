@@ -152,6 +152,8 @@ pub use crate::engines::etcd::url::EtcdUrl;
 pub use crate::engines::postgres::privileges::{PgPrivilege, PG_OBJECTS};
 #[cfg(feature = "postgres")]
 pub use crate::engines::postgres::url::{PgMode, PgTls, PostgresUrl, SslMode};
+#[cfg(feature = "postgres")]
+pub use crate::engines::postgres::PgPairStatements;
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 #[cfg(feature = "redis")]

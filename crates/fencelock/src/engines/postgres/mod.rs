@@ -36,7 +36,8 @@
 //! **Lease-table mode** (`?mode=lease`) keeps rows in `fencelock_leases` with owner, token and
 //! an expiry by the database's clock (`clock_timestamp()`). Each operation is one statement in
 //! its own transaction with unnamed statements, so it works through a transaction pooler where
-//! session locks and prepared statements do not. The two modes keep separate tables and do not
+//! session locks and prepared statements do not; `?prepare=true` prepares the hot statements
+//! once per connection instead, for direct connections. The two modes keep separate tables and do not
 //! exclude each other: every client of one resource must use the same mode.
 //!
 //! Both modes create their tables on first use, record forced releases in `fencelock_audit`,
@@ -46,8 +47,11 @@ pub(crate) mod acl;
 mod advisory;
 mod lease;
 pub(crate) mod privileges;
+mod statements;
 mod tls;
 pub(crate) mod url;
+
+pub use statements::PgPairStatements;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -185,7 +189,12 @@ END $m$;
 pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened> {
     let kind = url.engine();
     let (config, tls) = driver_config(&url, cfg.op_timeout)?;
-    let PostgresUrl { mode, pool, .. } = url;
+    let PostgresUrl {
+        mode,
+        pool,
+        prepare,
+        ..
+    } = url;
     let shared = Shared {
         kind,
         config,
@@ -217,9 +226,9 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
                 ..Opened::lock(Arc::new(engine))
             })
         }
-        PgMode::Lease => Ok(Opened::lock(Arc::new(lease::LeaseEngine::new(
-            shared, sessions, first,
-        )))),
+        PgMode::Lease => Ok(Opened::lock(Arc::new(
+            lease::LeaseEngine::open(shared, sessions, first, prepare).await?,
+        ))),
     }
 }
 
@@ -242,7 +251,7 @@ impl PostgresUrl {
     /// One session to the server, with the URL's TLS settings (`sslmode`, `sslrootcert`,
     /// `sslcert`, `sslkey`) as the engine applies them, its connection driven by a task of
     /// its own: for a [`PgFence`](crate::fence::PgFence) and tools that run their own
-    /// statements. fencelock's own parameters (`mode`, `pool`) play no part.
+    /// statements. fencelock's own parameters (`mode`, `pool`, `prepare`) play no part.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL the driver
