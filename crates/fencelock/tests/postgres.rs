@@ -307,6 +307,19 @@ async fn release_wakes_waiters_in_both_modes() {
              AND state = 'idle' AND pid <> pg_backend_pid() ORDER BY pid"
         );
         let before = query(&server, &sessions);
+        // Nobody has waited yet, so no session listens: a client that only takes free locks
+        // has no notification delivered to it (the first round has the server to itself).
+        // The last statement of a session that listened is its LISTEN, or its UNLISTEN once
+        // nobody waits any more.
+        let listening =
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%LISTEN fencelock_%' \
+             AND pid <> pg_backend_pid()";
+        let first_round = !url.contains("mode=lease");
+        if first_round {
+            assert_eq!(query(&server, listening), "0");
+        }
+        // Kept, so that the waiter's sessions stay until they are counted.
+        let _waiter = waiter.clone();
         let task = tokio::spawn(async move { waiter.acquire("job", &opts).await });
         // The waiter made its first attempt, was refused and sits in its 10 s backoff.
         assert!(fencelock_testkit::wait_until(LIMIT, || {
@@ -323,6 +336,13 @@ async fn release_wakes_waiters_in_both_modes() {
             released.elapsed()
         );
         got.release().await.unwrap();
+        if first_round {
+            assert_eq!(
+                query(&server, listening),
+                "1",
+                "the waiter's client listened"
+            );
+        }
     }
 }
 

@@ -128,6 +128,13 @@ impl Wakers {
         WakeRx { rx, seen }
     }
 
+    /// Whether any attempt or waiter holds a subscription now: a listener may stop listening
+    /// only when nobody does.
+    pub(crate) fn anyone_subscribed(&self) -> bool {
+        let map = self.by_name.lock().unwrap_or_else(|p| p.into_inner());
+        map.values().any(|s| s.receiver_count() > 0)
+    }
+
     /// Announces a release of `name` to its waiters: to all of them, or only to `only` (the
     /// head of a FIFO queue), which `granted` says already holds the lock with that token.
     pub(crate) fn wake(&self, name: &str, only: Option<String>, granted: Option<FencingToken>) {

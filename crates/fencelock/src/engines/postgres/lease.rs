@@ -347,6 +347,7 @@ impl Engine for LeaseEngine {
                 )),
             };
         }
+        self.shared.refused(&req.name);
         let holder = self.inspect(&req.name).await?;
         Ok(Attempt::Held {
             retry_in: holder.as_ref().and_then(|h| h.ttl_left),

@@ -76,11 +76,14 @@ impl AdvisoryEngine {
             })
             .map_err(|_| self.gone())?;
         match answer.await.map_err(|_| self.gone())?? {
-            Attempt::Held { holder, .. } => Ok(Attempt::Held {
-                holder,
-                retry_in: None,
-                wake: Some(wake),
-            }),
+            Attempt::Held { holder, .. } => {
+                self.shared.refused(&req.name);
+                Ok(Attempt::Held {
+                    holder,
+                    retry_in: None,
+                    wake: Some(wake),
+                })
+            }
             granted => Ok(granted),
         }
     }
