@@ -32,8 +32,9 @@ use crate::{runtime, CLIENT_NAME};
 const TARGET_SEQ: f64 = 0.80;
 /// Rounds the interleaved sequential comparison is cut into.
 const ROUNDS: u32 = 6;
-/// pgbench transactions per round: a few tenths of a second at one client.
-const ROUND_TRANSACTIONS: u32 = 2_000;
+/// pgbench transactions per second of a fencelock round, so that a pgbench round lasts about
+/// as long as the fencelock round after it on a small machine.
+const ROUND_TRANSACTIONS_PER_S: f64 = 4_000.0;
 /// The names (and, under the prefix, the rows) pgbench's clients lock: one per client.
 const REFERENCE_NAME: &str = "fencelock-bench-reference-";
 
@@ -223,8 +224,8 @@ struct Round {
     fencelock: f64,
 }
 
-/// The sequential comparison: [`ROUNDS`] times, `pgbench -c 1` for [`ROUND_TRANSACTIONS`]
-/// pairs, then one fencelock client for `share`, on a thread and a single-threaded runtime of
+/// The sequential comparison: [`ROUNDS`] times, `pgbench -c 1` for about as many pairs as
+/// fit in `share` ([`ROUND_TRANSACTIONS_PER_S`]), then one fencelock client for `share`, on a thread and a single-threaded runtime of
 /// their own, on the resource `name`.
 async fn interleaved(
     pgbench: &Pgbench,
@@ -248,7 +249,8 @@ async fn interleaved(
                 if stop.is_set() {
                     break;
                 }
-                let reference = pgbench.run(1, Run::Transactions(ROUND_TRANSACTIONS)).await;
+                let n = (share.as_secs_f64() * ROUND_TRANSACTIONS_PER_S).clamp(200.0, 100_000.0);
+                let reference = pgbench.run(1, Run::Transactions(n as u32)).await;
                 let (start, mut pairs) = (Instant::now(), 0u64);
                 let timed = bounded(share, async {
                     while start.elapsed() < share && !stop.is_set() {
