@@ -59,7 +59,7 @@
 //! | `sqlite:///absolute/path.db` (`sqlite://` for the default file) | SQLite, many processes on one machine |
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
-//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
+//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N&prepare=true]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
 //! | `etcd://[user:pass@]h1:p1,h2:p2,...`, `etcds://...?ca=PATH&cert=PATH&key=PATH` | one etcd cluster (feature `etcd`) |
 //! | `zk://[user:pass@]h1:p1,h2:p2,.../chroot[?session_timeout=10s]` | one ZooKeeper ensemble, Curator's lock layout (feature `zookeeper`) |
 //!

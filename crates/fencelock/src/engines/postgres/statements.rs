@@ -57,8 +57,6 @@ impl PostgresUrl {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     /// The highest `$n` a statement uses.
     fn params_of(sql: &str) -> usize {
         let mut highest = 0;
