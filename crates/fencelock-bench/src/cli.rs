@@ -40,6 +40,12 @@ impl BackendArg {
             None => fencelock::default_url().map_err(fail),
         }
     }
+
+    /// The key namespace.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
 }
 
 /// An error already reported to the user, carrying the exit code to leave with.

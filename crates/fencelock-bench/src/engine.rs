@@ -57,10 +57,19 @@ pub(crate) struct RedisTarget {
 pub(crate) struct PgTarget {
     /// The connection URL as libpq reads it, without fencelock's own parameters.
     pub(crate) url: String,
-    /// `?mode=lease`: the lease table, not advisory locks.
-    pub(crate) lease_table: bool,
     /// The most connections one client opens, the listening one included.
     pub(crate) pool: usize,
+    /// The URL as the library parsed it.
+    #[cfg(feature = "postgres")]
+    parsed: fencelock::PostgresUrl,
+}
+
+#[cfg(feature = "postgres")]
+impl PgTarget {
+    /// The statements the engine sends for one acquire+release under `prefix`.
+    pub(crate) fn statements(&self, prefix: &str) -> fencelock::PgPairStatements {
+        self.parsed.pair_statements(prefix)
+    }
 }
 
 /// The cluster the etcd reference connects to with a client of its own.
@@ -106,9 +115,9 @@ impl Engine {
             }),
             #[cfg(feature = "postgres")]
             Backend::Postgres(u) => Engine::Postgres(PgTarget {
-                url: u.url,
-                lease_table: u.mode == fencelock::PgMode::Lease,
+                url: u.url.clone(),
                 pool: u.pool,
+                parsed: u,
             }),
             #[cfg(feature = "etcd")]
             Backend::Etcd(u) => Engine::Etcd(EtcdTarget {

@@ -227,7 +227,8 @@ async fn bench(args: BenchArgs) -> Result<u8> {
     let outcome = bench.all(args.quick, servers.as_ref()).await;
     #[cfg(feature = "postgres")]
     if let (Ok(()), Engine::Postgres(target), false) = (&outcome, &engine, stop.is_set()) {
-        postgres::reference(target, args.seconds, &mut out, &stop).await;
+        let name = names.take("pg-seq");
+        postgres::reference(target, &args.backend, name, args.seconds, &mut out, &stop).await;
     }
 
     // Clean-up runs whatever happened above, so an engine failure mid-run leaves no bench keys.

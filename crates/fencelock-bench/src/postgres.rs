@@ -1,55 +1,148 @@
-//! The PostgreSQL reference of the bench: the server's own rate for the statements
-//! one acquire+release pair sends, measured with `pgbench` and a custom script against the
-//! same server in the same run, printed next to fencelock's figures as ratios.
+//! The PostgreSQL reference of the bench: the server's own rate for the statements one
+//! acquire+release pair sends, measured with `pgbench` against the same server in the same
+//! run, printed next to fencelock's figures as ratios.
 //!
-//! The script repeats the engine's statements (advisory mode: the grant with its counter
-//! upsert, then the unlock with its notification; lease-table mode: the row upsert, then the
-//! owner-checked release), in the protocol the engine uses (prepared statements for advisory
-//! mode, unnamed ones for the lease table). Each pgbench client works on a key of its own, as
-//! each fencelock task does. pgbench's transactions per second are therefore pairs per second
-//! without fencelock's client-side work (validity, watchdog registration, session map).
+//! The script is made of the engine's own statements (`PostgresUrl::pair_statements`), their
+//! text unchanged but for `$n` becoming pgbench variables with values of the same kind, sent
+//! in the engine's protocol (`-M prepared` where it prepares, `-M extended` for the unnamed
+//! statements of the lease table): one round trip each, as fencelock's. Each pgbench client
+//! works on a key of its own, as each fencelock task does; the first transaction of a client
+//! also computes that key's row name once (`\gset`). pgbench's transactions per second are
+//! therefore pairs per second without fencelock's client-side work.
+//!
+//! The target is on the sequential pair: rounds of `pgbench -c 1` and a fencelock client on
+//! a single-threaded runtime of its own, one after the other, as the Redis sections
+//! interleave redis-benchmark, because a small machine's round trip drifts within seconds.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use fencelock::{LockOptions, PgPairStatements};
+use tokio::time::Instant;
+
+use crate::cli::{connect, fail, BackendArg};
 use crate::engine::PgTarget;
-use crate::plumbing::{rate, Out, Stop};
+use crate::plumbing::{bounded, rate, Out, Stop};
+use crate::reference::median;
+use crate::uncontended::PairTimes;
+use crate::{runtime, CLIENT_NAME};
 
-const ADVISORY_SCRIPT: &str = "\
-\\set k 8000000000 + :client_id
-WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock(:k) AS ok), t AS (INSERT INTO fencelock_tokens AS t (key, lock_key, counter, owner, backend_pid, host, pid, client, acquired_at, ttl_ms) SELECT 'fencelock-bench-reference:' || :k, :k, 1, 'pgbench', pg_backend_pid(), 'localhost', 1, 'pgbench', 0, 30000 FROM l WHERE l.ok ON CONFLICT (key) DO UPDATE SET counter = t.counter + 1, owner = EXCLUDED.owner, backend_pid = EXCLUDED.backend_pid, host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client, acquired_at = EXCLUDED.acquired_at, ttl_ms = EXCLUDED.ttl_ms RETURNING counter) SELECT l.ok, (SELECT counter FROM t) FROM l;
-WITH u AS MATERIALIZED (SELECT pg_advisory_unlock(:k) AS ok) SELECT u.ok, (SELECT count(*) FROM (SELECT pg_notify('fencelock_bench_reference', 'x') FROM u WHERE u.ok) n) FROM u;
-";
+/// fencelock's sequential pairs as a share of pgbench's, one client each.
+const TARGET_SEQ: f64 = 0.80;
+/// Rounds the interleaved sequential comparison is cut into.
+const ROUNDS: u32 = 6;
+/// pgbench transactions per second of a fencelock round, so that a pgbench round lasts about
+/// as long as the fencelock round after it on a small machine.
+const ROUND_TRANSACTIONS_PER_S: f64 = 4_000.0;
+/// The names (and, under the prefix, the rows) pgbench's clients lock: one per client.
+const REFERENCE_NAME: &str = "fencelock-bench-reference-";
 
-const LEASE_SCRIPT: &str = "\
-\\set k 8000000000 + :client_id
-INSERT INTO fencelock_leases AS l (key, token, owner, expires_at, ttl_ms, host, pid, client, acquired_at, renewed_at) VALUES ('fencelock-bench-reference:' || :k, 1, 'pgbench', clock_timestamp() + 30000 * interval '1 millisecond', 30000, 'localhost', 1, 'pgbench', 0, 0) ON CONFLICT (key) DO UPDATE SET token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp() THEN l.token ELSE l.token + 1 END, acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > clock_timestamp() THEN l.acquired_at ELSE EXCLUDED.acquired_at END, owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at, ttl_ms = EXCLUDED.ttl_ms, host = EXCLUDED.host, pid = EXCLUDED.pid, client = EXCLUDED.client, renewed_at = EXCLUDED.renewed_at WHERE l.owner IS NULL OR l.expires_at IS NULL OR l.expires_at <= clock_timestamp() OR l.owner = EXCLUDED.owner RETURNING token;
-WITH old AS (SELECT expires_at > clock_timestamp() AS live FROM fencelock_leases WHERE key = 'fencelock-bench-reference:' || :k AND owner = 'pgbench' FOR UPDATE), u AS (UPDATE fencelock_leases SET owner = NULL, expires_at = NULL WHERE key = 'fencelock-bench-reference:' || :k AND owner = 'pgbench' RETURNING 1), n AS (SELECT pg_notify('fencelock_bench_reference', 'x') FROM old WHERE old.live) SELECT old.live, (SELECT count(*) FROM u), (SELECT count(*) FROM n) FROM old;
-";
-
-/// Measures the reference and prints it with the ratios to fencelock's uncontended figures,
-/// which section 1 recorded in `out`.
-pub(crate) async fn reference(target: &PgTarget, seconds: u64, out: &mut Out, stop: &Stop) {
+/// Measures the reference and prints it with the ratios to fencelock's figures: the
+/// sequential pair, interleaved with pgbench here on a client named `name`, and the 64 tasks
+/// that section 1 recorded in `out`.
+pub(crate) async fn reference(
+    target: &PgTarget,
+    backend: &BackendArg,
+    name: String,
+    seconds: u64,
+    out: &mut Out,
+    stop: &Stop,
+) {
     out.line(String::new());
     out.line("== 4. reference: pgbench, the same statements, same server, same run ==");
-    if let Err(why) = measure(target, seconds, out, stop).await {
+    if let Err(why) = measure(target, backend, name, seconds, out, stop).await {
         out.line(format!("reference: unavailable ({why})"));
     }
 }
 
+/// The pgbench script of one pair and the `-D` values of its variables.
+struct Script {
+    text: String,
+    defines: Vec<(String, String)>,
+    protocol: &'static str,
+}
+
+/// The statements of `pair` as a pgbench script: `$n` becomes `:fl_<what it carries>`.
+fn script(pair: &PgPairStatements, prefix: &str) -> Script {
+    let acquire = with_variables(pair.acquire, pair.acquire_params);
+    let release = with_variables(pair.release, pair.release_params);
+    // The key and row of each client: pgbench computes no text in `\set`, so the first
+    // transaction of each client asks the server once and keeps the answers.
+    let text = format!(
+        "\\set fl_key 8000000000 + :client_id\n\
+         \\if :fl_ready = 0\n\
+         SELECT :fl_prefix::text || :fl_base::text || :client_id::text AS fl_row, \
+         :fl_base::text || :client_id::text AS fl_name, 1 AS fl_ready \\gset\n\
+         \\endif\n\
+         {};\n{};\n",
+        acquire.trim(),
+        release.trim()
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let defines = [
+        ("fl_ready", "0".to_owned()),
+        ("fl_prefix", prefix.to_owned()),
+        ("fl_base", REFERENCE_NAME.to_owned()),
+        ("fl_owner", format!("{:032x}", 0x0123_4567_89ab_cdef_u128)),
+        ("fl_host", "localhost".to_owned()),
+        ("fl_pid", std::process::id().to_string()),
+        ("fl_client", CLIENT_NAME.to_owned()),
+        ("fl_acquired_at", now.to_string()),
+        ("fl_ttl_ms", "30000".to_owned()),
+        ("fl_holder_id", "fencelock-bench-reference".to_owned()),
+        ("fl_channel", pair.channel.clone()),
+    ];
+    Script {
+        text,
+        defines: defines
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+        protocol: if pair.prepared {
+            "prepared"
+        } else {
+            "extended"
+        },
+    }
+}
+
+/// `sql` with each `$n` replaced by `:fl_<names[n - 1]>`.
+fn with_variables(sql: &str, names: &[&str]) -> String {
+    let mut out = String::with_capacity(sql.len() + 8 * names.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..]
+            .bytes()
+            .take_while(u8::is_ascii_digit)
+            .count();
+        let n: Option<usize> = rest[at + 1..at + 1 + digits].parse().ok();
+        match n.and_then(|n| names.get(n.checked_sub(1)?)) {
+            Some(name) => {
+                out.push_str(":fl_");
+                out.push_str(name);
+            }
+            None => out.push_str(&rest[at..at + 1 + digits]),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
 async fn measure(
     target: &PgTarget,
+    backend: &BackendArg,
+    name: String,
     seconds: u64,
     out: &mut Out,
     stop: &Stop,
 ) -> Result<(), String> {
     let bin = pgbench()?;
-    let (script, protocol) = if target.lease_table {
-        (LEASE_SCRIPT, "extended")
-    } else {
-        (ADVISORY_SCRIPT, "prepared")
-    };
+    let script = script(&target.statements(backend.prefix()), backend.prefix());
     let path = std::env::temp_dir().join(format!(
         "fencelock-bench-{}-{:x}.sql",
         std::process::id(),
@@ -58,68 +151,239 @@ async fn measure(
             .map(|d| d.subsec_nanos())
             .unwrap_or(0)
     ));
-    std::fs::write(&path, script).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    let version = tool_version(&bin).await;
+    std::fs::write(&path, &script.text)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    let pgbench = Pgbench {
+        bin,
+        url: target.url.clone(),
+        script: path.clone(),
+        protocol: script.protocol,
+        defines: script.defines,
+    };
+    let version = tool_version(&pgbench.bin).await;
     out.line(format!(
-        "reference: {version}, -M {protocol}, one key per client, {seconds} s per run"
+        "reference: {version}, -M {}, the engine's two statements (one round trip each), one \
+         key per client",
+        pgbench.protocol
     ));
     out.text("reference.tool", &version);
+    out.text("reference.protocol", pgbench.protocol);
+
+    let share = Duration::from_secs(seconds) / ROUNDS;
+    let rounds = interleaved(&pgbench, backend, name, share, stop).await;
+    let rounds = match rounds {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+    };
+    report_rounds(&rounds, out);
+
     // The 64 tasks of section 1 share the client's lock sessions (the pool minus the listening
     // one): the fair comparison is pgbench with as many connections.
     let sessions = target.pool.saturating_sub(1).max(1);
-    let mut runs = Vec::new();
-    for clients in [1, sessions] {
-        if stop.is_set() {
-            break;
-        }
-        let tps = run(&bin, &target.url, &path, protocol, clients, seconds).await;
-        runs.push((clients, tps));
-    }
+    let many = if stop.is_set() {
+        None
+    } else {
+        Some(pgbench.run(sessions, Run::Seconds(seconds)).await)
+    };
     let _ = std::fs::remove_file(&path);
-    for (clients, tps) in &runs {
+    if let Some(tps) = many {
         match tps {
             Ok(tps) => {
                 out.line(format!(
-                    "  pgbench {clients:>2} client(s): {:>9} pairs/s",
-                    rate(*tps)
+                    "  pgbench {sessions:>2} client(s), {seconds} s: {:>9} pairs/s",
+                    rate(tps)
                 ));
-                out.num(&format!("reference.pgbench.c{clients}.pairs_per_s"), *tps);
+                out.num(&format!("reference.pgbench.c{sessions}.pairs_per_s"), tps);
+                if let Some(mine) = out.value("uncontended.tasks64.ops_per_s") {
+                    let ratio = mine / tps;
+                    out.num("uncontended.tasks64.pgbench_ratio", ratio);
+                    out.line(format!(
+                        "  ratio   64 tasks / pgbench, as many connections  {ratio:>6.2}  ({} vs {})",
+                        rate(mine),
+                        rate(tps)
+                    ));
+                }
             }
-            Err(e) => out.line(format!("  pgbench {clients:>2} client(s): failed: {e}")),
+            Err(e) => out.line(format!("  pgbench {sessions:>2} client(s): failed: {e}")),
         }
     }
-    let fencelock_seq = out.value("uncontended.sequential.ops_per_s");
-    let fencelock_par = out.value("uncontended.tasks64.ops_per_s");
-    let ratios = [
-        (
-            "sequential / pgbench 1 client",
-            "sequential",
-            fencelock_seq,
-            runs.first(),
-        ),
-        (
-            "64 tasks / pgbench, as many connections",
-            "tasks64",
-            fencelock_par,
-            runs.get(1),
-        ),
-    ];
-    for (what, key, mine, reference) in ratios {
-        if let (Some(mine), Some((clients, Ok(tps)))) = (mine, reference) {
-            let ratio = mine / tps;
-            out.num(&format!("uncontended.{key}.pgbench_ratio"), ratio);
-            out.line(format!(
-                "  ratio   {what:<42} {ratio:>6.2}  ({} vs {} at {clients} connection(s))",
-                rate(mine),
-                rate(*tps)
+    out.line(format!(
+        "reference rows: {}{REFERENCE_NAME}* in the engine's table (one per pgbench client), \
+         kept like every name's counter",
+        backend.prefix()
+    ));
+    Ok(())
+}
+
+/// One interleaved round: pgbench's pairs per second, then fencelock's.
+struct Round {
+    pgbench: Result<f64, String>,
+    fencelock: f64,
+}
+
+/// The sequential comparison: [`ROUNDS`] times, `pgbench -c 1` for about as many pairs as
+/// fit in `share` ([`ROUND_TRANSACTIONS_PER_S`]), then one fencelock client for `share`, on a thread and a single-threaded runtime of
+/// their own, on the resource `name`.
+async fn interleaved(
+    pgbench: &Pgbench,
+    backend: &BackendArg,
+    name: String,
+    share: Duration,
+    stop: &Stop,
+) -> Result<Vec<Round>, String> {
+    let (pgbench, backend, stop) = (pgbench.clone(), backend.clone(), stop.clone());
+    let run = runtime::on_own_thread("fencelock-bench-pg-seq", move || async move {
+        let client = connect(&backend, CLIENT_NAME).await?;
+        let opts = LockOptions::default();
+        let result = async {
+            let mut t = PairTimes::default();
+            // Connections and prepared statements come first; keep them out of the figures.
+            for _ in 0..20 {
+                t.one(&client, &name, &opts, false).await.map_err(fail)?;
+            }
+            let mut rounds = Vec::new();
+            for _ in 0..ROUNDS {
+                if stop.is_set() {
+                    break;
+                }
+                let n = (share.as_secs_f64() * ROUND_TRANSACTIONS_PER_S).clamp(200.0, 100_000.0);
+                let reference = pgbench.run(1, Run::Transactions(n as u32)).await;
+                let (start, mut pairs) = (Instant::now(), 0u64);
+                let timed = bounded(share, async {
+                    while start.elapsed() < share && !stop.is_set() {
+                        t.one(&client, &name, &opts, false).await?;
+                        pairs += 1;
+                    }
+                    Ok::<(), fencelock::Error>(())
+                })
+                .await?;
+                timed.map_err(fail)?;
+                rounds.push(Round {
+                    pgbench: reference,
+                    fencelock: pairs as f64 / start.elapsed().as_secs_f64().max(1e-9),
+                });
+            }
+            Ok(rounds)
+        }
+        .await;
+        client.close().await;
+        result
+    });
+    run.await.map_err(|e| e.to_string())
+}
+
+/// Prints the rounds, their median ratio and the target.
+fn report_rounds(rounds: &[Round], out: &mut Out) {
+    let (mut mine, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for r in rounds {
+        match &r.pgbench {
+            Ok(tps) => {
+                mine.push(rate(r.fencelock));
+                theirs.push(rate(*tps));
+                ratios.push(r.fencelock / tps);
+            }
+            Err(e) => out.line(format!("  a pgbench round failed: {e}")),
+        }
+    }
+    out.line(format!(
+        "  sequential, 1 client, interleaved rounds: pgbench {} pairs/s",
+        theirs.join(" ")
+    ));
+    out.line(format!(
+        "                                           fencelock {} pairs/s",
+        mine.join(" ")
+    ));
+    let texts: Vec<String> = ratios.iter().map(|r| format!("{r:.2}")).collect();
+    out.line(format!("  ratio per round: {}", texts.join(" ")));
+    if let Some(ratio) = median(ratios) {
+        let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let ok: Vec<&Round> = rounds.iter().filter(|r| r.pgbench.is_ok()).collect();
+        out.num(
+            "reference.pgbench.c1.pairs_per_s",
+            mean(ok.iter().filter_map(|r| r.pgbench.clone().ok()).collect()),
+        );
+        out.num(
+            "uncontended.sequential_interleaved.ops_per_s",
+            mean(ok.iter().map(|r| r.fencelock).collect()),
+        );
+        out.num("uncontended.sequential.pgbench_ratio", ratio);
+        out.target(
+            "uncontended.sequential.pgbench_ratio",
+            &format!("sequential / pgbench 1 client >= {TARGET_SEQ:.2} (median of rounds)"),
+            &format!("{ratio:.2}"),
+            Some(ratio >= TARGET_SEQ),
+        );
+    }
+}
+
+/// How long one pgbench run lasts.
+enum Run {
+    Seconds(u64),
+    Transactions(u32),
+}
+
+/// pgbench, with the script and its variables.
+#[derive(Clone)]
+struct Pgbench {
+    bin: PathBuf,
+    url: String,
+    script: PathBuf,
+    protocol: &'static str,
+    defines: Vec<(String, String)>,
+}
+
+impl Pgbench {
+    async fn run(&self, clients: usize, length: Run) -> Result<f64, String> {
+        let threads = clients.min(2);
+        // The password goes through the environment, never pgbench's argv, where `ps` shows
+        // it.
+        let (url, password) = split_password(&self.url);
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        if let Some(p) = password {
+            cmd.env("PGPASSWORD", p);
+        }
+        let (flag, value, limit) = match length {
+            Run::Seconds(s) => ("-T", s.to_string(), Duration::from_secs(s)),
+            Run::Transactions(n) => ("-t", n.to_string(), Duration::ZERO),
+        };
+        cmd.args(["-n", "-M", self.protocol, flag, &value]).args([
+            "-c",
+            &clients.to_string(),
+            "-j",
+            &threads.to_string(),
+        ]);
+        for (k, v) in &self.defines {
+            cmd.arg("-D").arg(format!("{k}={v}"));
+        }
+        let child = cmd
+            .arg("-f")
+            .arg(&self.script)
+            .arg(&url)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .output();
+        let limit = limit + Duration::from_secs(30);
+        let out = tokio::time::timeout(limit, child)
+            .await
+            .map_err(|_| "pgbench did not finish in time".to_owned())?
+            .map_err(|e| format!("cannot run {}: {e}", self.bin.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+            return Err(format!(
+                "pgbench exited with {}: {}",
+                out.status,
+                last.unwrap_or("no message")
             ));
         }
+        parse_tps(&stdout).ok_or_else(|| "no tps line in pgbench's output".to_owned())
     }
-    out.line(
-        "reference rows: fencelock-bench-reference:* in the engine's table (one per pgbench \
-         client), kept like every name's counter",
-    );
-    Ok(())
 }
 
 /// `$FENCELOCK_PGBENCH`, else the newest `/usr/lib/postgresql/*/bin/pgbench`, else `pgbench`
@@ -164,50 +428,6 @@ async fn tool_version(bin: &Path) -> String {
     }
 }
 
-async fn run(
-    bin: &Path,
-    url: &str,
-    script: &Path,
-    protocol: &str,
-    clients: usize,
-    seconds: u64,
-) -> Result<f64, String> {
-    let threads = clients.min(2);
-    // The password goes through the environment, never pgbench's argv, where `ps` shows it.
-    let (url, password) = split_password(url);
-    let mut cmd = tokio::process::Command::new(bin);
-    if let Some(p) = password {
-        cmd.env("PGPASSWORD", p);
-    }
-    let child = cmd
-        .args(["-n", "-M", protocol, "-T", &seconds.to_string()])
-        .args(["-c", &clients.to_string(), "-j", &threads.to_string()])
-        .arg("-f")
-        .arg(script)
-        .arg(&url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .output();
-    let limit = Duration::from_secs(seconds) + Duration::from_secs(30);
-    let out = tokio::time::timeout(limit, child)
-        .await
-        .map_err(|_| "pgbench did not finish in time".to_owned())?
-        .map_err(|e| format!("cannot run {}: {e}", bin.display()))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
-        return Err(format!(
-            "pgbench exited with {}: {}",
-            out.status,
-            last.unwrap_or("no message")
-        ));
-    }
-    parse_tps(&stdout).ok_or_else(|| "no tps line in pgbench's output".to_owned())
-}
-
 /// The figure of `tps = 1234.5 (without initial connection time)`.
 fn parse_tps(output: &str) -> Option<f64> {
     output
@@ -247,6 +467,43 @@ mod tests {
                    tps = 4871.532921 (without initial connection time)\n";
         assert_eq!(parse_tps(out), Some(4871.532921));
         assert_eq!(parse_tps("nothing"), None);
+    }
+
+    #[test]
+    fn the_script_is_the_engines_statements_with_pgbench_variables() {
+        assert_eq!(
+            with_variables("SELECT f($1, $2), $10, $x, $3", &["a", "b"]),
+            "SELECT f(:fl_a, :fl_b), $10, $x, $3"
+        );
+        for url in ["postgres://h/db", "postgres://h/db?mode=lease"] {
+            let Ok(fencelock::Backend::Postgres(u)) = fencelock::Backend::parse(url) else {
+                unreachable!("{url} parses")
+            };
+            let pair = u.pair_statements("fencelock:v1:");
+            let s = script(&pair, "fencelock:v1:");
+            assert!(
+                !s.text.contains('$'),
+                "{url}: every parameter is a variable"
+            );
+            // Every variable the statements use is defined, by -D or by the first transaction.
+            let defined: Vec<String> = s
+                .defines
+                .iter()
+                .map(|(k, _)| k.clone())
+                .chain(["fl_key", "fl_row", "fl_name"].map(String::from))
+                .collect();
+            for p in pair.acquire_params.iter().chain(pair.release_params) {
+                assert!(defined.contains(&format!("fl_{p}")), "{url}: {p}");
+            }
+            assert_eq!(
+                s.protocol,
+                if url.contains("lease") {
+                    "extended"
+                } else {
+                    "prepared"
+                }
+            );
+        }
     }
 
     #[test]

@@ -59,7 +59,7 @@
 //! | `sqlite:///absolute/path.db` (`sqlite://` for the default file) | SQLite, many processes on one machine |
 //! | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis node |
 //! | `redlock://[user:pass@]h1:p1,h2:p2,h3:p3` | Redlock over N independent Redis nodes |
-//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
+//! | `postgres://[user:pass@]host:port/db[?mode=lease&pool=N&prepare=true]` | PostgreSQL advisory locks, or a lease table (feature `postgres`) |
 //! | `etcd://[user:pass@]h1:p1,h2:p2,...`, `etcds://...?ca=PATH&cert=PATH&key=PATH` | one etcd cluster (feature `etcd`) |
 //! | `zk://[user:pass@]h1:p1,h2:p2,.../chroot[?session_timeout=10s]` | one ZooKeeper ensemble, Curator's lock layout (feature `zookeeper`) |
 //!
@@ -152,6 +152,8 @@ pub use crate::engines::etcd::url::EtcdUrl;
 pub use crate::engines::postgres::privileges::{PgPrivilege, PG_OBJECTS};
 #[cfg(feature = "postgres")]
 pub use crate::engines::postgres::url::{PgMode, PgTls, PostgresUrl, SslMode};
+#[cfg(feature = "postgres")]
+pub use crate::engines::postgres::PgPairStatements;
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 #[cfg(feature = "redis")]

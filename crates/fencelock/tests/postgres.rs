@@ -185,6 +185,44 @@ async fn server_restart_means_lost_leases_and_tokens_survive() {
     }
 }
 
+/// Prepared statements live and die with their connection: after the server restarts, the
+/// same client prepares them again on its new connections and locks as before (advisory
+/// mode always prepares; the lease table with `?prepare=true`), limits checked as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_statements_are_prepared_again_after_a_server_restart() {
+    let mut server = PgServer::start().unwrap();
+    let clients = [
+        client(&server.url()).await,
+        client(&format!("{}?mode=lease&prepare=true", server.url())).await,
+    ];
+    let opts = LockOptions::default().ttl(Duration::from_secs(10));
+    let mut before = Vec::new();
+    for c in &clients {
+        let lease = c.try_acquire("job", &opts).await.unwrap();
+        before.push(lease.token());
+        lease.release().await.unwrap();
+    }
+    tokio::task::block_in_place(|| server.restart().unwrap());
+    for (c, first) in clients.iter().zip(before) {
+        // The first attempts may meet the connection the restart closed: they fail as engine
+        // errors, which a waiting acquire retries, and the next one connects anew.
+        let waiting = opts.clone().wait(Duration::from_secs(10));
+        let lease = timeout(LIMIT, c.acquire("job", &waiting))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(lease.token() > first, "{first} then {}", lease.token());
+        lease.extend().await.unwrap();
+        lease.release().await.unwrap();
+        c.set_limits(&fencelock::Limits::default().with_max_ttl(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        let e = c.try_acquire("job", &opts).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{} {e}", c.engine());
+        c.set_limits(&fencelock::Limits::default()).await.unwrap();
+    }
+}
+
 /// 10,000 leases held at once by one client, on at most 10 connections, all renewed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_leases_share_at_most_ten_connections() {
@@ -269,6 +307,19 @@ async fn release_wakes_waiters_in_both_modes() {
              AND state = 'idle' AND pid <> pg_backend_pid() ORDER BY pid"
         );
         let before = query(&server, &sessions);
+        // Nobody has waited yet, so no session listens: a client that only takes free locks
+        // has no notification delivered to it (the first round has the server to itself).
+        // The last statement of a session that listened is its LISTEN, or its UNLISTEN once
+        // nobody waits any more.
+        let listening =
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%LISTEN fencelock_%' \
+             AND pid <> pg_backend_pid()";
+        let first_round = !url.contains("mode=lease");
+        if first_round {
+            assert_eq!(query(&server, listening), "0");
+        }
+        // Kept, so that the waiter's sessions stay until they are counted.
+        let _waiter = waiter.clone();
         let task = tokio::spawn(async move { waiter.acquire("job", &opts).await });
         // The waiter made its first attempt, was refused and sits in its 10 s backoff.
         assert!(fencelock_testkit::wait_until(LIMIT, || {
@@ -285,6 +336,13 @@ async fn release_wakes_waiters_in_both_modes() {
             released.elapsed()
         );
         got.release().await.unwrap();
+        if first_round {
+            assert_eq!(
+                query(&server, listening),
+                "1",
+                "the waiter's client listened"
+            );
+        }
     }
 }
 

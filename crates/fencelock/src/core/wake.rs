@@ -232,6 +232,12 @@ impl Wakers {
         (rx, seen)
     }
 
+    /// Whether any attempt or waiter holds a subscription now: a listener may stop listening
+    /// only when nobody does.
+    pub(crate) fn anyone_subscribed(&self) -> bool {
+        self.entries().values().any(|e| e.tx.receiver_count() > 0)
+    }
+
     /// Every announcement of `name` from now on, without a place among its waiters.
     pub(crate) fn subscribe(&self, name: &str) -> WakeRx {
         let (rx, seen) = Self::receiver(&mut self.entries(), name);

@@ -1,7 +1,9 @@
 //! Lease-table mode (`?mode=lease`): one row per resource with owner, token and an expiry by
 //! the database's clock. Every operation is one statement in its own transaction, sent as an
 //! unnamed statement, so no state lives in the session and a transaction pooler may hand each
-//! statement to another server connection.
+//! statement to another server connection. Where no pooler stands in between, `?prepare=true`
+//! prepares the acquire, extend and release statements once per connection instead, which
+//! spares the server their planning on every call.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -9,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Row};
+use tokio_postgres::{Client, Row, Statement};
 
 use super::Shared;
 use crate::core::engine::{AcquireRequest, Attempt, Engine, Renewal, Renewed};
@@ -25,7 +27,7 @@ use crate::core::token::FencingToken;
 /// above `max-ttl` and, for a client holding `max-held-per-client` leases under the prefix,
 /// the milliseconds until its first one expires (`fencelock_lease_quota`); the row is then left
 /// alone. No token is returned when refused or when another owner's lease is live.
-const ACQUIRE: &str = "
+pub(super) const ACQUIRE: &str = "
 WITH q AS MATERIALIZED (
     SELECT CASE WHEN lim.max_ttl_ms > 0 AND $3 > lim.max_ttl_ms THEN -1
                 WHEN lim.max_held > 0 THEN fencelock_lease_quota($8, $9, $1, lim.max_held)
@@ -54,6 +56,19 @@ g AS (
 )
 SELECT (SELECT token FROM g), q.refused, q.max_ttl_ms, q.max_held FROM q";
 
+/// What the parameters of [`ACQUIRE`] carry, in order.
+pub(super) const ACQUIRE_PARAMS: &[&str] = &[
+    "row",
+    "owner",
+    "ttl_ms",
+    "host",
+    "pid",
+    "client",
+    "acquired_at",
+    "prefix",
+    "holder_id",
+];
+
 /// The time a live lease has left (ms), read after the [`HOLDER_COLUMNS`] by [`holder_from`].
 const TTL_LEFT: &str =
     "GREATEST(0, extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint";
@@ -76,7 +91,7 @@ SELECT key, owner, NULL::bigint FROM u
 UNION ALL SELECT NULL, NULL, max_ttl_ms FROM cap";
 
 /// Clears the owner (the row keeps the token) and, if the lease was live, wakes the waiters.
-const RELEASE: &str = "
+pub(super) const RELEASE: &str = "
 WITH old AS (
     SELECT expires_at > clock_timestamp() AS live FROM fencelock_leases
     WHERE key = $1 AND owner = $2 FOR UPDATE
@@ -87,6 +102,9 @@ u AS (
 ),
 n AS (SELECT pg_notify($3, $4) FROM old WHERE old.live)
 SELECT old.live, (SELECT count(*) FROM u), (SELECT count(*) FROM n) FROM old";
+
+/// What the parameters of [`RELEASE`] carry, in order.
+pub(super) const RELEASE_PARAMS: &[&str] = &["row", "owner", "channel", "name"];
 
 /// Deletes the live lease (of the expected owner, if given), advances the token to the mark
 /// and appends the audit record, in one statement. The old holder's row is copied into the
@@ -117,27 +135,85 @@ SELECT old.*, (SELECT counter FROM a) FROM old"
 
 pub(crate) struct LeaseEngine {
     shared: Shared,
-    clients: Vec<tokio::sync::Mutex<Option<Arc<Client>>>>,
+    clients: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
     next: AtomicUsize,
+    /// `?prepare=true`: the hot statements are prepared once per connection.
+    prepare: bool,
+}
+
+/// One connection, and with `?prepare=true` its prepared statements: a connection made after
+/// the old one closed (a server restart) prepares them again.
+struct Conn {
+    client: Client,
+    prepared: Option<Prepared>,
+}
+
+struct Prepared {
+    acquire: Statement,
+    extend: Statement,
+    release: Statement,
+}
+
+/// The statements that may be prepared, so that each call names its own.
+#[derive(Clone, Copy)]
+enum Hot {
+    Acquire,
+    Extend,
+    Release,
+}
+
+impl Hot {
+    fn sql(self) -> &'static str {
+        match self {
+            Hot::Acquire => ACQUIRE,
+            Hot::Extend => EXTEND,
+            Hot::Release => RELEASE,
+        }
+    }
 }
 
 impl LeaseEngine {
-    pub(super) fn new(shared: Shared, sessions: usize, first: Client) -> LeaseEngine {
+    pub(super) async fn open(
+        shared: Shared,
+        sessions: usize,
+        first: Client,
+        prepare: bool,
+    ) -> Result<LeaseEngine> {
         let clients: Vec<_> = (0..sessions.max(1))
             .map(|_| tokio::sync::Mutex::new(None))
             .collect();
-        if let Ok(mut slot) = clients[0].try_lock() {
-            *slot = Some(Arc::new(first));
-        }
-        LeaseEngine {
+        let engine = LeaseEngine {
             shared,
             clients,
             next: AtomicUsize::new(0),
+            prepare,
+        };
+        let first = engine.conn(first).await?;
+        if let Ok(mut slot) = engine.clients[0].try_lock() {
+            *slot = Some(Arc::new(first));
         }
+        Ok(engine)
+    }
+
+    /// `client` with its statements prepared when the URL asks for it.
+    async fn conn(&self, client: Client) -> Result<Conn> {
+        let prepared = if self.prepare {
+            let prepare = async {
+                Ok::<_, tokio_postgres::Error>(Prepared {
+                    acquire: client.prepare(ACQUIRE).await?,
+                    extend: client.prepare(EXTEND).await?,
+                    release: client.prepare(RELEASE).await?,
+                })
+            };
+            Some(self.shared.bounded(prepare).await?)
+        } else {
+            None
+        };
+        Ok(Conn { client, prepared })
     }
 
     /// A live connection, round robin, reconnecting a closed one.
-    async fn client(&self) -> Result<Arc<Client>> {
+    async fn client(&self) -> Result<Arc<Conn>> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.clients.len();
         self.client_at(i).await
     }
@@ -145,35 +221,55 @@ impl LeaseEngine {
     /// The connection every grant and release of `name` goes through: statements on one
     /// connection run in the order they were sent, so the release that cleans up after a
     /// cancelled acquisition always runs after it, never overtakes it on another connection.
-    async fn client_for(&self, name: &str) -> Result<Arc<Client>> {
+    async fn client_for(&self, name: &str) -> Result<Arc<Conn>> {
         let key = super::advisory_key(&self.shared.prefix, name) as u64;
         self.client_at((key % self.clients.len() as u64) as usize)
             .await
     }
 
-    async fn client_at(&self, i: usize) -> Result<Arc<Client>> {
+    async fn client_at(&self, i: usize) -> Result<Arc<Conn>> {
         let mut slot = self.clients[i].lock().await;
-        if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
+        if let Some(c) = slot.as_ref().filter(|c| !c.client.is_closed()) {
             return Ok(c.clone());
         }
-        let c = Arc::new(self.shared.connect().await?);
+        let c = Arc::new(self.conn(self.shared.connect().await?).await?);
         *slot = Some(c.clone());
         Ok(c)
     }
 
     async fn query(&self, sql: &str, params: &[(&(dyn ToSql + Sync), Type)]) -> Result<Vec<Row>> {
-        let client = self.client().await?;
-        self.shared.bounded(client.query_typed(sql, params)).await
+        let conn = self.client().await?;
+        self.shared
+            .bounded(conn.client.query_typed(sql, params))
+            .await
     }
 
-    async fn query_for(
+    /// One of the statements `?prepare=true` prepares, on `conn`: the prepared one if it
+    /// was, else unnamed with the parameters' types given.
+    async fn hot(
         &self,
-        name: &str,
-        sql: &str,
+        conn: &Conn,
+        which: Hot,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>> {
-        let client = self.client_for(name).await?;
-        self.shared.bounded(client.query_typed(sql, params)).await
+        let prepared = conn.prepared.as_ref().map(|p| match which {
+            Hot::Acquire => &p.acquire,
+            Hot::Extend => &p.extend,
+            Hot::Release => &p.release,
+        });
+        match prepared {
+            Some(statement) => {
+                let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+                self.shared
+                    .bounded(conn.client.query(statement, &values))
+                    .await
+            }
+            None => {
+                self.shared
+                    .bounded(conn.client.query_typed(which.sql(), params))
+                    .await
+            }
+        }
     }
 
     fn read<T>(&self, r: std::result::Result<T, tokio_postgres::Error>) -> Result<T> {
@@ -204,10 +300,11 @@ impl Engine for LeaseEngine {
         let key = self.shared.key(&req.name);
         let wake = self.shared.subscribe(&req.name);
         let now = unix_millis(SystemTime::now());
+        let conn = self.client_for(&req.name).await?;
         let rows = self
-            .query_for(
-                &req.name,
-                ACQUIRE,
+            .hot(
+                &conn,
+                Hot::Acquire,
                 &[
                     (&key, Type::TEXT),
                     (&req.owner, Type::TEXT),
@@ -250,6 +347,7 @@ impl Engine for LeaseEngine {
                 )),
             };
         }
+        self.shared.refused(&req.name);
         let holder = self.inspect(&req.name).await?;
         Ok(Attempt::Held {
             retry_in: holder.as_ref().and_then(|h| h.ttl_left),
@@ -263,9 +361,11 @@ impl Engine for LeaseEngine {
         let owners: Vec<String> = batch.iter().map(|r| r.owner.clone()).collect();
         let ttls: Vec<i64> = batch.iter().map(|r| millis_of(r.ttl)).collect();
         let now = unix_millis(SystemTime::now());
+        let conn = self.client().await?;
         let rows = self
-            .query(
-                EXTEND,
+            .hot(
+                &conn,
+                Hot::Extend,
                 &[
                     (&keys, Type::TEXT_ARRAY),
                     (&owners, Type::TEXT_ARRAY),
@@ -303,10 +403,11 @@ impl Engine for LeaseEngine {
         let key = self.shared.key(name);
         let owner = owner.to_owned();
         let name = name.to_owned();
+        let conn = self.client_for(&name).await?;
         let rows = self
-            .query_for(
-                &name,
-                RELEASE,
+            .hot(
+                &conn,
+                Hot::Release,
                 &[
                     (&key, Type::TEXT),
                     (&owner, Type::TEXT),
@@ -393,17 +494,17 @@ impl Engine for LeaseEngine {
     }
 
     async fn limits(&self) -> Result<Vec<StoredLimits>> {
-        let client = self.client().await?;
-        self.shared.read_limits(&client).await
+        let conn = self.client().await?;
+        self.shared.read_limits(&conn.client).await
     }
 
     async fn set_limits(&self, limits: &Limits) -> Result<()> {
-        let client = self.client().await?;
-        self.shared.write_limits(&client, limits).await
+        let conn = self.client().await?;
+        self.shared.write_limits(&conn.client, limits).await
     }
 
     async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
-        let client = self.client().await?;
-        self.shared.audit(&client, name).await
+        let conn = self.client().await?;
+        self.shared.audit(&conn.client, name).await
     }
 }

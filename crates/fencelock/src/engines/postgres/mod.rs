@@ -25,7 +25,8 @@
 //!   renewal is one liveness check per session (which advisory locks does this backend hold?)
 //!   for all the leases on it.
 //! - **Wake-ups.** Release runs `pg_notify` on a channel named after the prefix with the
-//!   resource name as payload; one listening session per client wakes the waiters. A lock
+//!   resource name as payload; one session per client listens, while the client has waiters
+//!   (see [`listen`]), and wakes them. A lock
 //!   released by someone else (`psql`) sends no notification: waiters then retry after their
 //!   backoff.
 //! - **Forced release** (the stuck-lock runbook) can only end the holder's session:
@@ -36,7 +37,8 @@
 //! **Lease-table mode** (`?mode=lease`) keeps rows in `fencelock_leases` with owner, token and
 //! an expiry by the database's clock (`clock_timestamp()`). Each operation is one statement in
 //! its own transaction with unnamed statements, so it works through a transaction pooler where
-//! session locks and prepared statements do not. The two modes keep separate tables and do not
+//! session locks and prepared statements do not; `?prepare=true` prepares the hot statements
+//! once per connection instead, for direct connections. The two modes keep separate tables and do not
 //! exclude each other: every client of one resource must use the same mode.
 //!
 //! Both modes create their tables on first use, record forced releases in `fencelock_audit`,
@@ -45,18 +47,21 @@
 pub(crate) mod acl;
 mod advisory;
 mod lease;
+mod listen;
 pub(crate) mod privileges;
+mod statements;
 mod tls;
 pub(crate) mod url;
+
+pub use statements::PgPairStatements;
 
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{AsyncMessage, Client, Config};
+use tokio_postgres::{Client, Config};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 
@@ -69,7 +74,7 @@ use crate::core::sql::{
 };
 use crate::core::url::redact_url;
 use crate::core::wake::WakeRx;
-use crate::core::wake::{keep_listening, Wakers};
+use crate::core::wake::Wakers;
 use url::{PgMode, PostgresUrl};
 
 const SCHEMA: &str = "
@@ -185,7 +190,12 @@ END $m$;
 pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened> {
     let kind = url.engine();
     let (config, tls) = driver_config(&url, cfg.op_timeout)?;
-    let PostgresUrl { mode, pool, .. } = url;
+    let PostgresUrl {
+        mode,
+        pool,
+        prepare,
+        ..
+    } = url;
     let shared = Shared {
         kind,
         config,
@@ -195,17 +205,19 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
         op_timeout: cfg.op_timeout,
         channel: channel_name(&cfg.prefix),
         wakers: Arc::new(Wakers::default()),
+        demand: Arc::default(),
         shutdown: CancellationToken::new(),
     };
     // Fails early, with a clear error, when the server cannot be reached, and creates the
     // tables before any lease needs them.
     let first = shared.connect().await?;
     shared.bounded(create_schema(&first)).await?;
-    tokio::spawn(listen_for_wakeups(
+    tokio::spawn(listen::listen_for_wakeups(
         shared.config.clone(),
         shared.tls.clone(),
         shared.channel.clone(),
         shared.wakers.clone(),
+        shared.demand.clone(),
         shared.shutdown.clone(),
     ));
     let sessions = pool - 1;
@@ -217,9 +229,9 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
                 ..Opened::lock(Arc::new(engine))
             })
         }
-        PgMode::Lease => Ok(Opened::lock(Arc::new(lease::LeaseEngine::new(
-            shared, sessions, first,
-        )))),
+        PgMode::Lease => Ok(Opened::lock(Arc::new(
+            lease::LeaseEngine::open(shared, sessions, first, prepare).await?,
+        ))),
     }
 }
 
@@ -242,7 +254,7 @@ impl PostgresUrl {
     /// One session to the server, with the URL's TLS settings (`sslmode`, `sslrootcert`,
     /// `sslcert`, `sslkey`) as the engine applies them, its connection driven by a task of
     /// its own: for a [`PgFence`](crate::fence::PgFence) and tools that run their own
-    /// statements. fencelock's own parameters (`mode`, `pool`) play no part.
+    /// statements. fencelock's own parameters (`mode`, `pool`, `prepare`) play no part.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL the driver
@@ -357,6 +369,8 @@ pub(crate) struct Shared {
     op_timeout: Duration,
     channel: String,
     wakers: Arc<Wakers>,
+    /// Refused attempts, which make the listening session listen.
+    demand: Arc<listen::Demand>,
     shutdown: CancellationToken,
 }
 
@@ -461,6 +475,11 @@ impl Shared {
 
     fn subscribe(&self, name: &str) -> WakeRx {
         self.wakers.subscribe(name)
+    }
+
+    /// An attempt on `name` was refused and its waiter will want the release's wake-up.
+    fn refused(&self, name: &str) {
+        self.demand.refused(name);
     }
 
     /// The audit log of one resource, or of every resource under the prefix, newest first.
@@ -630,42 +649,6 @@ async fn create_schema(client: &Client) -> std::result::Result<(), tokio_postgre
             "BEGIN; SELECT pg_advisory_xact_lock({lock}); {SCHEMA} {MIGRATIONS} COMMIT;"
         ))
         .await
-}
-
-/// Keeps one session listening on the prefix's channel and wakes the waiters of the resource
-/// each notification names; reconnects when it drops. While it is down, waiters fall back to
-/// their backoff.
-async fn listen_for_wakeups(
-    config: Config,
-    tls: MakeRustlsConnect,
-    channel: String,
-    wakers: Arc<Wakers>,
-    shutdown: CancellationToken,
-) {
-    keep_listening("wake-up listener", shutdown, || async {
-        let (client, mut connection) = config.connect(tls.clone()).await?;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        let driver = tokio::spawn(async move {
-            while let Some(message) = messages.next().await {
-                match message {
-                    Ok(AsyncMessage::Notification(n)) => {
-                        let _ = tx.send(n.payload().to_owned());
-                    }
-                    Ok(_) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            Ok(())
-        });
-        client.batch_execute(&format!("LISTEN {channel}")).await?;
-        while let Some(name) = rx.recv().await {
-            wakers.wake(&name, 0, None, None);
-        }
-        driver.abort();
-        Ok::<(), tokio_postgres::Error>(())
-    })
-    .await;
 }
 
 #[cfg(test)]

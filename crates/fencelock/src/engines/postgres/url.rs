@@ -1,5 +1,5 @@
-//! `postgres://` and `postgresql://` URLs: libpq's own form, plus fencelock's `mode` and `pool`
-//! parameters, which are taken out before the driver sees the rest. So are libpq's TLS
+//! `postgres://` and `postgresql://` URLs: libpq's own form, plus fencelock's `mode`, `pool`
+//! and `prepare` parameters, which are taken out before the driver sees the rest. So are libpq's TLS
 //! parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`), which the driver knows only in
 //! part: fencelock applies them itself, with libpq's meaning (see [`SslMode`]).
 
@@ -24,6 +24,12 @@ pub struct PostgresUrl {
     /// The most connections one client opens (`?pool=N`, 2 to 10, default 4): one listens
     /// for wake-up notifications, the others carry the leases.
     pub pool: usize,
+    /// Named statements, prepared once per connection (`?prepare=true|false`). Always in
+    /// advisory mode, whose session locks need a session of their own anyway; off by default
+    /// in lease-table mode, which then sends unnamed statements only, as a transaction pooler
+    /// needs (one that hands each transaction to any server connection knows nothing of a
+    /// statement prepared on another).
+    pub prepare: bool,
     /// The TLS settings: libpq's `sslmode`, `sslrootcert`, `sslcert` and `sslkey`.
     pub tls: PgTls,
 }
@@ -113,7 +119,7 @@ pub enum PgMode {
     Lease,
 }
 
-/// Takes fencelock's own query parameters (`mode`, `pool`) out of a PostgreSQL URL and leaves
+/// Takes fencelock's own query parameters (`mode`, `pool`, `prepare`) out of a PostgreSQL URL and leaves
 /// the rest for the driver, which checks it when the engine connects.
 pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
     let (base, query) = match rest.split_once('?') {
@@ -122,6 +128,7 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
     };
     let mut mode = PgMode::Advisory;
     let mut pool = DEFAULT_POOL;
+    let mut prepare = None;
     let mut tls = PgTls {
         mode: SslMode::Prefer,
         root_cert: None,
@@ -154,6 +161,17 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
                         ))
                     })?
             }
+            "prepare" => {
+                prepare = Some(match v {
+                    "true" => true,
+                    "false" => false,
+                    other => {
+                        return Err(Error::invalid(format!(
+                            "prepare {other:?} in the backend URL is not one of true, false"
+                        )))
+                    }
+                })
+            }
             "sslmode" => tls.mode = SslMode::parse(v)?,
             "sslrootcert" | "sslcert" | "sslkey" => {
                 if v.is_empty() {
@@ -171,6 +189,16 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
             _ => kept.push(pair),
         }
     }
+    let prepare =
+        match (mode, prepare) {
+            (PgMode::Advisory, Some(false)) => return Err(Error::invalid(
+                "prepare=false in the backend URL applies to the lease table (mode=lease), for \
+                 transaction poolers; advisory mode holds session locks, which need a session of \
+                 their own, and always prepares its statements",
+            )),
+            (PgMode::Advisory, _) => true,
+            (PgMode::Lease, p) => p.unwrap_or(false),
+        };
     if tls.cert.is_some() != tls.key.is_some() {
         return Err(Error::invalid(
             "a client certificate needs its key and a key its certificate: give both sslcert \
@@ -193,6 +221,7 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<PostgresUrl> {
         url,
         mode,
         pool,
+        prepare,
         tls,
     })
 }
@@ -213,6 +242,7 @@ mod tests {
                 url: "postgres://u:p@127.0.0.1:5432/db?sslmode=disable".into(),
                 mode: PgMode::Lease,
                 pool: 8,
+                prepare: false,
                 tls: PgTls {
                     mode: SslMode::Disable,
                     root_cert: None,
@@ -227,6 +257,7 @@ mod tests {
                 url: "postgresql://h/db?sslmode=prefer".into(),
                 mode: PgMode::Advisory,
                 pool: DEFAULT_POOL,
+                prepare: true,
                 tls: PgTls {
                     mode: SslMode::Prefer,
                     root_cert: None,
@@ -244,6 +275,34 @@ mod tests {
         assert_eq!(u.url, "postgres://h/db?connect_timeout=3&sslmode=require");
         assert_eq!(u.tls.mode, SslMode::VerifyFull);
         assert_eq!(u.tls.root_cert, Some("/r c.pem".into()));
+        assert!(u.prepare, "advisory mode always prepares");
+    }
+
+    #[test]
+    fn prepare_is_a_lease_table_option_the_driver_never_sees() {
+        let lease = |q: &str| parse("postgres", &format!("h/db?mode=lease{q}"));
+        assert_eq!(lease("").map(|u| u.prepare).ok(), Some(false));
+        assert_eq!(lease("&prepare=false").map(|u| u.prepare).ok(), Some(false));
+        let Ok(u) = lease("&prepare=true&connect_timeout=3") else {
+            unreachable!("parse failed")
+        };
+        assert!(u.prepare);
+        assert_eq!(u.url, "postgres://h/db?connect_timeout=3&sslmode=prefer");
+        assert_eq!(
+            parse("postgres", "h/db?prepare=true")
+                .map(|u| u.prepare)
+                .ok(),
+            Some(true)
+        );
+        for (rest, says) in [
+            ("h/db?mode=lease&prepare=1", "not one of true, false"),
+            ("h/db?mode=lease&prepare=TRUE", "not one of true, false"),
+            ("h/db?prepare=false", "applies to the lease table"),
+        ] {
+            let e = parse("postgres", rest).expect_err(rest);
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{rest}");
+            assert!(e.to_string().contains(says), "{rest}: {e}");
+        }
         for rest in [
             "h/db?mode=x",
             "h/db?pool=1",
@@ -252,6 +311,9 @@ mod tests {
             "h/db?sslmode=allow",
             "h/db?sslcert=/c",
             "h/db?sslrootcert=",
+            "h/db?mode=lease&prepare=yes",
+            "h/db?prepare=",
+            "h/db?prepare=false",
         ] {
             let e = parse("postgres", rest).expect_err(rest);
             assert_eq!(e.kind(), crate::ErrorKind::InvalidInput, "{rest}");

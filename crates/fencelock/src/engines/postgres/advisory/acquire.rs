@@ -20,7 +20,7 @@ use crate::engines::postgres::{advisory_key, bounded};
 /// the lock function runs exactly once, and only when the limits let it: a TTL above
 /// `max-ttl` (`refused` = -1) or a client holding `max-held-per-client` locks under the prefix
 /// (`refused` > 0, counted by `fencelock_advisory_quota`) never reaches the lock.
-pub(super) const GRANT: &str = "
+pub(in crate::engines::postgres) const GRANT: &str = "
 WITH q AS MATERIALIZED (
     SELECT CASE WHEN lim.max_ttl_ms > 0 AND $8 > lim.max_ttl_ms THEN -1
                 WHEN lim.max_held > 0 THEN fencelock_advisory_quota($9, $10, $2, lim.max_held)
@@ -44,6 +44,20 @@ t AS (
 SELECT (SELECT ok FROM l), (SELECT counter FROM t), q.refused, q.max_ttl_ms, q.max_held
 FROM q";
 
+/// What the parameters of [`GRANT`] carry, in order.
+pub(in crate::engines::postgres) const GRANT_PARAMS: &[&str] = &[
+    "key",
+    "row",
+    "owner",
+    "host",
+    "pid",
+    "client",
+    "acquired_at",
+    "ttl_ms",
+    "prefix",
+    "holder_id",
+];
+
 impl AdvisoryEngine {
     /// One attempt, queued on the session of the key's slot behind its earlier statements.
     pub(super) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
@@ -62,11 +76,14 @@ impl AdvisoryEngine {
             })
             .map_err(|_| self.gone())?;
         match answer.await.map_err(|_| self.gone())?? {
-            Attempt::Held { holder, .. } => Ok(Attempt::Held {
-                holder,
-                retry_in: None,
-                wake: Some(wake),
-            }),
+            Attempt::Held { holder, .. } => {
+                self.shared.refused(&req.name);
+                Ok(Attempt::Held {
+                    holder,
+                    retry_in: None,
+                    wake: Some(wake),
+                })
+            }
             granted => Ok(granted),
         }
     }

@@ -24,6 +24,8 @@ use crate::core::error::{Error, Result};
 use crate::core::holder::Holder;
 use crate::core::limits::{Limits, StoredLimits};
 use crate::core::records::{AuditRecord, HeldLock};
+pub(super) use acquire::{GRANT, GRANT_PARAMS};
+pub(super) use release::{RELEASE, RELEASE_PARAMS};
 use session::Session;
 
 pub(crate) struct AdvisoryEngine {

@@ -11,9 +11,12 @@ use crate::core::error::Result;
 use crate::engines::postgres::{advisory_key, bounded};
 
 /// Unlocks and, only if this session held the lock, notifies the waiters.
-pub(super) const RELEASE: &str = "
+pub(in crate::engines::postgres) const RELEASE: &str = "
 WITH u AS MATERIALIZED (SELECT pg_advisory_unlock($1) AS ok)
 SELECT u.ok, (SELECT count(*) FROM (SELECT pg_notify($2, $3) FROM u WHERE u.ok) n) FROM u";
+
+/// What the parameters of [`RELEASE`] carry, in order.
+pub(in crate::engines::postgres) const RELEASE_PARAMS: &[&str] = &["key", "channel", "name"];
 
 /// Undoes a grant whose answer was lost (a timed-out or failed attempt). Unlocking a key the
 /// session does not hold only raises a warning.

@@ -173,10 +173,15 @@ pub(super) async fn work(
     // Keys with a statement in flight, and what waits behind it.
     let mut busy: HashMap<i64, VecDeque<Op>> = HashMap::new();
     let mut running: FuturesUnordered<BoxFuture<'static, Vec<i64>>> = FuturesUnordered::new();
+    // Made once: a cancellation future built anew in every turn of the loop would register
+    // with its token and deregister again for every statement.
+    let (ended, stopped) = (s.ended.clone(), shutdown.clone());
+    let (ended, stopped) = (ended.cancelled(), stopped.cancelled());
+    tokio::pin!(ended, stopped);
     loop {
         tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = s.ended.cancelled() => return,
+            _ = &mut stopped => return,
+            _ = &mut ended => return,
             _ = sweep.tick() => {
                 let (keys, names) = take_expired(&s, &busy);
                 if !keys.is_empty() {
