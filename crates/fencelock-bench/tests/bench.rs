@@ -197,7 +197,7 @@ fn bench_keeps_the_password_out_of_argv(url: &str, password: &str) -> Finished {
         .unwrap();
     let started = std::time::Instant::now();
     let mut samples = 0;
-    while !proc.exited() && started.elapsed() < common::LIMIT {
+    while proc.try_finish().is_none() && started.elapsed() < common::LIMIT {
         let ps = Command::new("ps")
             .args(["-eo", "args"])
             .stdin(Stdio::null())

@@ -225,7 +225,8 @@ impl Proc {
         self.status
     }
 
-    /// Whether [`Proc::try_finish`] has seen the process exit.
+    /// Whether [`Proc::try_finish`] has seen the process exit; it does not ask the process
+    /// itself (call `try_finish` for that).
     pub fn exited(&self) -> bool {
         self.status.is_some()
     }
