@@ -184,7 +184,7 @@ impl Client {
         let mut backoff = min_backoff;
         // The last wake-up subscription, kept until the next attempt's own is made: the
         // waiter's place among the client's waiters (see `core::wake`) lasts the acquisition.
-        let mut place: Option<WakeRx> = None;
+        let mut place: Option<Box<WakeRx>> = None;
         loop {
             let started = Instant::now();
             pending.armed = true;
@@ -213,7 +213,7 @@ impl Client {
                         Some(v) => {
                             pending.armed = false;
                             if let Some(p) = place.take() {
-                                p.settle();
+                                (*p).settle();
                             }
                             return Ok(inner.grant(&req, token, started + v, opts));
                         }
@@ -294,9 +294,9 @@ impl Client {
                         let v = handoff_validity(ttl, window, started.elapsed());
                         if let Some(v) = v.filter(|v| opts.auto_renew_value() && usable(ttl, *v)) {
                             pending.armed = false;
-                            wake.settle();
+                            (*wake).settle();
                             if let Some(p) = place.take() {
-                                p.settle();
+                                (*p).settle();
                             }
                             return Ok(inner.grant(&req, token, started + v, opts));
                         }

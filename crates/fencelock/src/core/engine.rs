@@ -64,7 +64,7 @@ pub(crate) enum Attempt {
         retry_in: Option<Duration>,
         /// Changes when the engine announces a release of this resource. Subscribed before
         /// the attempt was sent, so a release right after the answer is not missed.
-        wake: Option<WakeRx>,
+        wake: Option<Box<WakeRx>>,
     },
     /// Refused by the `max-held-per-client` limit (`max`): this client holds that many leases
     /// under the prefix already. `retry_in` is when the engine expects one of them to expire.

@@ -97,7 +97,7 @@ pub(crate) struct WakeRx {
     seen: u64,
     /// Nodes whose announcements concerning this waiter it has heard but not yet acted on.
     heard: Vec<usize>,
-    place: Option<Place>,
+    place: Option<Box<Place>>,
 }
 
 /// A waiter's place among the waiters of its resource (see the module docs).
@@ -264,13 +264,13 @@ impl Wakers {
             rx,
             seen,
             heard: Vec::new(),
-            place: Some(Place {
+            place: Some(Box::new(Place {
                 wakers: self.clone(),
                 name: name.to_owned(),
                 owner: owner.to_owned(),
                 need,
                 settled: false,
-            }),
+            })),
         }
     }
 

@@ -352,7 +352,7 @@ impl Engine for LeaseEngine {
         Ok(Attempt::Held {
             retry_in: holder.as_ref().and_then(|h| h.ttl_left),
             holder,
-            wake: Some(wake),
+            wake: Some(Box::new(wake)),
         })
     }
 

@@ -83,8 +83,7 @@ impl RedisEngine {
         req: &AcquireRequest,
         fair: Option<(Duration, SystemTime)>,
         keys: &Keys,
-        floor: u64,
-        tail: &str,
+        (floor, tail): (u64, &str),
         limit: Duration,
     ) -> NodeResult<NodeAttempt> {
         let inv = match fair {
@@ -177,7 +176,7 @@ impl RedisEngine {
         let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&req.meta));
         let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
         let answers = self
-            .ask(|n| self.acquire_on(n, req, fair, &keys, floor, &tail, limit))
+            .ask(|n| self.acquire_on(n, req, fair, &keys, (floor, &tail), limit))
             .await
             .only_votes();
 
@@ -281,7 +280,7 @@ impl RedisEngine {
         Ok(Attempt::Held {
             holder,
             retry_in,
-            wake: Some(wake),
+            wake: Some(Box::new(wake)),
         })
     }
 }

@@ -81,7 +81,7 @@ impl AdvisoryEngine {
                 Ok(Attempt::Held {
                     holder,
                     retry_in: None,
-                    wake: Some(wake),
+                    wake: Some(Box::new(wake)),
                 })
             }
             granted => Ok(granted),
