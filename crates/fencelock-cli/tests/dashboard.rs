@@ -81,6 +81,23 @@ async fn wait_text(c: &Client, css: &str, limit: Duration, ok: impl Fn(&str) -> 
     last
 }
 
+/// Clicks the element `at` finds. The page redraws its table once a second, so the element
+/// found may be replaced before the click lands (a stale element): it is found again.
+async fn click(c: &Client, at: Locator<'_>) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let tried = match c.find(at).await {
+            Ok(el) => el.click().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        match tried {
+            Ok(()) => return,
+            Err(e) if Instant::now() >= deadline => panic!("clicking {at:?}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 async fn screenshot(c: &Client, name: &str) {
     let png = c.screenshot().await.unwrap();
     let path = artifact_dir().join(name);
@@ -134,12 +151,7 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
         })
         .await;
         field.send_keys(token).await.unwrap();
-        c.find(Locator::Css("#auth-form button"))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
+        click(&c, Locator::Css("#auth-form button")).await;
         let row = "tr[data-resource='nightly-invoices']";
         wait_text(&c, &format!("{row} .token"), Duration::from_secs(10), |t| {
             t == fencing
@@ -154,12 +166,7 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
                 .unwrap(),
             "held"
         );
-        c.find(Locator::Css(row))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
+        click(&c, Locator::Css(row)).await;
         wait_text(&c, "#detail", Duration::from_secs(5), |t| {
             t.contains(&fencing) && t.contains("stream")
         })
@@ -172,12 +179,7 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
             .send_keys("invoices stuck")
             .await
             .unwrap();
-        c.find(Locator::Id("fr-submit"))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
+        click(&c, Locator::Id("fr-submit")).await;
         let refusal = wait_text(&c, "#fr-result .note", Duration::from_secs(5), |t| {
             !t.is_empty()
         })
@@ -232,27 +234,12 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
             |t| t == "suspect",
         )
         .await;
-        c.find(Locator::Css(dead_row))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
+        click(&c, Locator::Css(dead_row)).await;
         let reason = c.find(Locator::Id("fr-reason")).await.unwrap();
         reason.clear().await.unwrap();
         reason.send_keys("worker VM deleted").await.unwrap();
-        c.find(Locator::Id("fr-dead"))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
-        c.find(Locator::Id("fr-submit"))
-            .await
-            .unwrap()
-            .click()
-            .await
-            .unwrap();
+        click(&c, Locator::Id("fr-dead")).await;
+        click(&c, Locator::Id("fr-submit")).await;
         let done = wait_text(&c, "#fr-result .note", Duration::from_secs(5), |t| {
             t.starts_with("Released")
         })
