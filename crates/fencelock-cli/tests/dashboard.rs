@@ -90,11 +90,10 @@ async fn click(c: &Client, at: Locator<'_>) {
             Ok(el) => el.click().await.map(|_| ()),
             Err(e) => Err(e),
         };
-        match tried {
-            Ok(()) => return,
-            Err(e) if Instant::now() >= deadline => panic!("clicking {at:?}: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        if tried.is_ok() || Instant::now() >= deadline {
+            return tried.unwrap();
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
