@@ -265,13 +265,7 @@ async fn bench(args: BenchArgs) -> Result<u8> {
         Ok(msg) => out.line(format!("clean-up: {released}{msg}")),
         Err(e) => out.line(format!("clean-up: incomplete: {e}")),
     }
-    out.finish();
-    outcome?;
-    if stop.is_set() {
-        eprintln!("fencelock-bench: run interrupted");
-        return Ok(130);
-    }
-    Ok(0)
+    out.end_run(outcome, &stop)
 }
 
 struct Bench<'a> {

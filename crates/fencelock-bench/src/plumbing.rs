@@ -210,7 +210,23 @@ impl Out {
         }
     }
 
-    pub(crate) fn finish(&self) {
+    /// Ends a run whose figures and clean-up are printed: the JSON object (with `--json`),
+    /// then the run's error, or exit code 130 after Ctrl-C, else 0.
+    pub(crate) fn end_run<E: Into<anyhow::Error>>(
+        &self,
+        outcome: std::result::Result<(), E>,
+        stop: &Stop,
+    ) -> Result<u8> {
+        self.finish();
+        outcome.map_err(Into::into)?;
+        if stop.is_set() {
+            eprintln!("fencelock-bench: run interrupted");
+            return Ok(130);
+        }
+        Ok(0)
+    }
+
+    fn finish(&self) {
         if !self.json {
             return;
         }

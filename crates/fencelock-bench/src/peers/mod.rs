@@ -168,13 +168,7 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
         }
         Err(e) => out.line(format!("clean-up: incomplete: {e}")),
     }
-    out.finish();
-    outcome?;
-    if stop.is_set() {
-        eprintln!("fencelock-bench: run interrupted");
-        return Ok(130);
-    }
-    Ok(0)
+    out.end_run(outcome, &stop)
 }
 
 struct Libs {
