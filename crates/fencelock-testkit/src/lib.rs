@@ -50,17 +50,52 @@ pub use zookeeper::{curator_classpath, four_letters, java_bin, ZkEnsemble, SMALL
 /// Returns a TCP port on 127.0.0.1 that was free a moment ago.
 ///
 /// The port is only reserved while the probe listener lives, so another
-/// process may take it before the caller binds it; [`RedisServer::start`]
-/// copes with that by retrying on a new port.
+/// process may take it before the caller binds it; [`RedisServer::start`] and
+/// [`ZkEnsemble::start`] cope with that by retrying on new ports.
 ///
-/// Returns 0 if the kernel refuses to hand out an ephemeral port at all,
-/// which leaves the caller to fail with a bind or connect error that names
-/// the real cause, rather than panicking inside a test helper.
+/// Ports come from below the kernel's ephemeral range: a port the kernel hands
+/// out for "any free port" is also what it hands out as the source port of the
+/// next outgoing connection, and a server started a moment later (three JVMs
+/// dialling each other, say) then finds it taken. Each process walks that
+/// range from its own starting point, so tests running side by side in one
+/// process never get the same port twice and separate processes rarely meet.
+///
+/// Returns 0 if no port can be bound at all, which leaves the caller to fail
+/// with a bind or connect error that names the real cause, rather than
+/// panicking inside a test helper.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let high = ephemeral_low().clamp(LOW + 1_000, 65_535);
+    let span = high - LOW;
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let port = LOW + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let Ok(port) = u16::try_from(port) else {
+            continue;
+        };
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
         .unwrap_or(0)
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default when unreadable).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// Polls `f` every 10 ms until it returns `true` or `deadline` has elapsed.

@@ -21,6 +21,16 @@ const JARS_ENV: &str = "FENCELOCK_JAVA_LIBS";
 
 const READY_TIMEOUT: Duration = Duration::from_secs(40);
 
+/// How many times [`ZkEnsemble::start`] starts an ensemble whose server exited while forming.
+const START_ATTEMPTS: usize = 3;
+
+/// Why one start of an ensemble failed: a server exited (retried on new ports), or anything
+/// else (returned at once).
+enum Failed {
+    Exited(io::Error),
+    Other(io::Error),
+}
+
 /// ZooKeeper's tick in the ensembles started here: sessions may last 2 to 20 ticks, 1 s to
 /// 10 s.
 pub const ZK_TICK: Duration = Duration::from_millis(500);
@@ -30,7 +40,7 @@ const SERVER_JARS: &[&str] = &[
     "zookeeper.jar",
     "zookeeper-jute.jar",
     "slf4j-api.jar",
-    "slf4j-nop.jar",
+    "slf4j-simple.jar",
     "netty-handler.jar",
     "netty-common.jar",
     "netty-transport.jar",
@@ -106,8 +116,28 @@ pub struct ZkEnsemble {
 
 impl ZkEnsemble {
     /// Starts `n` servers and waits until every one serves clients (`srvr` reports a mode).
+    ///
+    /// A server that exits while the ensemble forms has almost always lost one of its three
+    /// ports to another process between [`free_port`] and its bind; the whole ensemble is
+    /// then started again on new ports (every server's configuration names every port), up
+    /// to [`START_ATTEMPTS`] times.
     pub fn start(n: usize) -> io::Result<ZkEnsemble> {
-        let dir = tempfile::Builder::new().prefix("fencelock-zk").tempdir()?;
+        let mut last = None;
+        for _ in 0..START_ATTEMPTS {
+            match Self::start_once(n) {
+                Ok(ensemble) => return Ok(ensemble),
+                Err(Failed::Exited(e)) => last = Some(e),
+                Err(Failed::Other(e)) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("ZooKeeper ensemble never started")))
+    }
+
+    fn start_once(n: usize) -> Result<ZkEnsemble, Failed> {
+        let dir = tempfile::Builder::new()
+            .prefix("fencelock-zk")
+            .tempdir()
+            .map_err(Failed::Other)?;
         let servers = (0..n)
             .map(|_| Server {
                 client_port: free_port(),
@@ -119,13 +149,29 @@ impl ZkEnsemble {
             .collect();
         let mut ensemble = ZkEnsemble { servers, dir };
         for i in 0..n {
-            ensemble.write_config(i)?;
-            ensemble.launch(i)?;
+            ensemble.write_config(i).map_err(Failed::Other)?;
+            ensemble.launch(i).map_err(Failed::Other)?;
         }
         for i in 0..n {
-            ensemble.wait_serving(i)?;
+            if let Some(e) = ensemble.serving_or_exited(i) {
+                return Err(e);
+            }
         }
         Ok(ensemble)
+    }
+
+    fn serving_or_exited(&mut self, i: usize) -> Option<Failed> {
+        let e = self.wait_serving(i).err()?;
+        let exited = self
+            .servers
+            .get_mut(i)
+            .and_then(|s| s.child.as_mut())
+            .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+        Some(if exited {
+            Failed::Exited(e)
+        } else {
+            Failed::Other(e)
+        })
     }
 
     /// `host:port` of every server, in server order.
@@ -311,6 +357,9 @@ impl ZkEnsemble {
             .args(SMALL_JVM)
             .arg("-Dznode.container.checkIntervalMs=500")
             .arg("-Dzookeeper.jmx.log4j.disable=true")
+            // Warnings and errors only: the log says why a server exited, without the
+            // chatter of every session.
+            .arg("-Dorg.slf4j.simpleLogger.defaultLogLevel=warn")
             .arg("-cp")
             .arg(classpath(&[SERVER_JARS]))
             .arg(main)
