@@ -31,6 +31,8 @@ mod floor;
 mod harness;
 #[cfg(feature = "redis")]
 mod peers;
+#[cfg(feature = "postgres")]
+mod pg_driver;
 mod plumbing;
 #[cfg(feature = "postgres")]
 mod postgres;

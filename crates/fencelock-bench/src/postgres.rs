@@ -23,6 +23,7 @@ use tokio::time::Instant;
 
 use crate::cli::{connect, fail, BackendArg};
 use crate::engine::PgTarget;
+use crate::pg_driver::Driver;
 use crate::plumbing::{bounded, rate, Out, Stop};
 use crate::reference::median;
 use crate::uncontended::PairTimes;
@@ -142,7 +143,8 @@ async fn measure(
     stop: &Stop,
 ) -> Result<(), String> {
     let bin = pgbench()?;
-    let script = script(&target.statements(backend.prefix()), backend.prefix());
+    let pair = target.statements(backend.prefix());
+    let script = script(&pair, backend.prefix());
     let path = std::env::temp_dir().join(format!(
         "fencelock-bench-{}-{:x}.sql",
         std::process::id(),
@@ -170,8 +172,12 @@ async fn measure(
     out.text("reference.protocol", pgbench.protocol);
 
     let share = Duration::from_secs(seconds) / ROUNDS;
-    let rounds = interleaved(&pgbench, backend, name, share, stop).await;
-    let rounds = match rounds {
+    let driver = DriverFloor {
+        url: target.url.clone(),
+        pair,
+    };
+    let rounds = interleaved(&pgbench, &driver, backend, name, share, stop).await;
+    let (rounds, driver) = match rounds {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
@@ -179,6 +185,7 @@ async fn measure(
         }
     };
     report_rounds(&rounds, out);
+    report_driver(&rounds, driver, out);
 
     // The 64 tasks of section 1 share the client's lock sessions (the pool minus the listening
     // one): the fair comparison is pgbench with as many connections.
@@ -218,10 +225,19 @@ async fn measure(
     Ok(())
 }
 
-/// One interleaved round: pgbench's pairs per second, then fencelock's.
+/// One interleaved round: pgbench's pairs per second, then fencelock's, then the bare
+/// driver's with the same statements (when it could run).
 struct Round {
     pgbench: Result<f64, String>,
     fencelock: f64,
+    driver: Option<f64>,
+}
+
+/// What the bare driver needs to run the pair (see `pg_driver`).
+#[derive(Clone)]
+struct DriverFloor {
+    url: String,
+    pair: PgPairStatements,
 }
 
 /// The sequential comparison: [`ROUNDS`] times, `pgbench -c 1` for about as many pairs as
@@ -229,15 +245,19 @@ struct Round {
 /// their own, on the resource `name`.
 async fn interleaved(
     pgbench: &Pgbench,
+    floor: &DriverFloor,
     backend: &BackendArg,
     name: String,
     share: Duration,
     stop: &Stop,
-) -> Result<Vec<Round>, String> {
+) -> Result<(Vec<Round>, Result<(), String>), String> {
     let (pgbench, backend, stop) = (pgbench.clone(), backend.clone(), stop.clone());
+    let floor = floor.clone();
     let run = runtime::on_own_thread("fencelock-bench-pg-seq", move || async move {
         let client = connect(&backend, CLIENT_NAME).await?;
         let opts = LockOptions::default();
+        let mut driver =
+            Driver::connect(&floor.url, &floor.pair, backend.prefix(), REFERENCE_NAME).await;
         let result = async {
             let mut t = PairTimes::default();
             // Connections and prepared statements come first; keep them out of the figures.
@@ -261,18 +281,78 @@ async fn interleaved(
                 })
                 .await?;
                 timed.map_err(fail)?;
+                let fencelock = pairs as f64 / start.elapsed().as_secs_f64().max(1e-9);
+                let bare = match &driver {
+                    Ok(d) => match timed_pairs(d, share, &stop).await {
+                        Ok(per_s) => Some(per_s),
+                        Err(e) => {
+                            driver = Err(e);
+                            None
+                        }
+                    },
+                    Err(_) => None,
+                };
                 rounds.push(Round {
                     pgbench: reference,
-                    fencelock: pairs as f64 / start.elapsed().as_secs_f64().max(1e-9),
+                    fencelock,
+                    driver: bare,
                 });
             }
-            Ok(rounds)
+            Ok((rounds, driver.map(|_| ())))
         }
         .await;
         client.close().await;
         result
     });
     run.await.map_err(|e| e.to_string())
+}
+
+/// The bare driver's pairs per second over `share`.
+async fn timed_pairs(driver: &Driver, share: Duration, stop: &Stop) -> Result<f64, String> {
+    for _ in 0..20 {
+        driver.pair().await?;
+    }
+    let (start, mut pairs) = (Instant::now(), 0u64);
+    let timed = bounded(share, async {
+        while start.elapsed() < share && !stop.is_set() {
+            driver.pair().await?;
+            pairs += 1;
+        }
+        Ok::<(), String>(())
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    timed?;
+    Ok(pairs as f64 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// The driver's rounds: its pairs/s against pgbench's and fencelock's, medians of rounds.
+fn report_driver(rounds: &[Round], driver: Result<(), String>, out: &mut Out) {
+    if let Err(why) = driver {
+        out.line(format!("  driver floor: unavailable ({why})"));
+        return;
+    }
+    let mut per_s = Vec::new();
+    let (mut over_pgbench, mut fencelock_over) = (Vec::new(), Vec::new());
+    for r in rounds {
+        let Some(d) = r.driver else { continue };
+        per_s.push(rate(d));
+        if let Ok(tps) = &r.pgbench {
+            over_pgbench.push(d / tps);
+        }
+        fencelock_over.push(r.fencelock / d);
+    }
+    out.line(format!(
+        "  driver floor: tokio-postgres, same statements, nothing around them {} pairs/s",
+        per_s.join(" ")
+    ));
+    if let (Some(a), Some(b)) = (median(over_pgbench), median(fencelock_over)) {
+        out.line(format!(
+            "  driver / pgbench {a:.2}, fencelock / driver {b:.2} (medians of rounds)"
+        ));
+        out.num("reference.driver.over_pgbench", a);
+        out.num("reference.driver.fencelock_over", b);
+    }
 }
 
 /// Prints the rounds, their median ratio and the target.

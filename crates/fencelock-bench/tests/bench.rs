@@ -179,6 +179,9 @@ fn bench_measures_pgbench_reference_in_the_same_run() {
         "\"uncontended.sequential.pgbench_ratio.target\":",
         "\"reference.tool\":\"pgbench",
         "\"reference.protocol\":\"prepared\"",
+        // The bare driver on the same statements: the floor under fencelock's ratio.
+        "\"reference.driver.over_pgbench\":",
+        "\"reference.driver.fencelock_over\":",
     ] {
         assert!(json.contains(field), "{field} missing from {json}");
     }
@@ -273,6 +276,13 @@ fn peers_keys(engine: &str) -> Vec<String> {
         "clean_up.deleted_keys".to_owned(),
         "rslock.retry_delay_ms".to_owned(),
     ]);
+    // The bare driver's floors under the sequential figure.
+    for floor in ["fencelock_scripts", "minimal_scripts"] {
+        for k in ["pairs_per_s", "over_rslock", "fencelock_over"] {
+            keys.push(format!("floor.{floor}.{k}"));
+        }
+        keys.push(format!("round.1.floor.{floor}.pairs_per_s"));
+    }
     for k in &fencelock {
         keys.extend([
             format!("fencelock.{k}"),
@@ -305,7 +315,8 @@ fn peers_keys(engine: &str) -> Vec<String> {
 }
 
 /// `peers` on Redlock and on one node: every figure of both libraries is there, positive and
-/// finite, and neither library leaves a key of the run behind.
+/// finite, the floors measured by the bare driver are there too, and nothing leaves a key of
+/// the run behind.
 #[test]
 fn peers_measures_fencelock_and_rslock_side_by_side_and_cleans_up() {
     let nodes = fencelock_testkit::start_redis_nodes(3).unwrap();

@@ -158,6 +158,8 @@ pub use crate::engines::postgres::PgPairStatements;
 pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::url::RedisUrl;
+#[cfg(feature = "redis")]
+pub use crate::engines::redis::{RedisPairCalls, RedisScriptCall};
 #[cfg(feature = "sqlite")]
 pub use crate::engines::sqlite::url::{default_sqlite_path, SqliteUrl};
 #[cfg(feature = "zookeeper")]

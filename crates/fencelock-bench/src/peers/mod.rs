@@ -5,6 +5,7 @@
 //! that a machine whose speed drifts weighs on both; each round also measures a plain `SET`
 //! round trip on the first node, the unit in which handoffs and utilisation are read.
 
+mod floor;
 mod report;
 mod rslock;
 
@@ -24,6 +25,7 @@ use crate::plumbing::{bounded, run_id, Out, Samples, Stop};
 use crate::servers::Servers;
 use crate::CLIENT_NAME;
 
+use self::floor::{Bare, Scripts};
 use self::rslock::{Retry, Rslock};
 
 const WORKERS: usize = 16;
@@ -69,6 +71,8 @@ pub(crate) struct Round {
     pub(crate) round_trip: Duration,
     pub(crate) fencelock: LibRound,
     pub(crate) rslock: LibRound,
+    /// The bare `redis` crate's sequential pairs with each set of scripts (see [`floor`]).
+    pub(crate) floors: Vec<(Scripts, Pairs)>,
 }
 
 /// The run's fixed settings, for the output.
@@ -114,6 +118,16 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
         eprintln!("fencelock-bench peers: rslock: {e}");
         Exit(exit::USAGE)
     })?;
+    let mut floors = Vec::new();
+    for scripts in [Scripts::Fencelock, Scripts::Minimal] {
+        let bare = Bare::connect(&url, scripts, fencelock::DEFAULT_PREFIX)
+            .await
+            .map_err(|e| {
+                eprintln!("fencelock-bench peers: {}: {e}", scripts.label());
+                Exit(exit::UNAVAILABLE)
+            })?;
+        floors.push(bare);
+    }
     let client = connect(&args.backend, CLIENT_NAME).await?;
     let stop = Stop::on_interrupt();
     let mut out = Out::new(args.json, stop.clone());
@@ -129,6 +143,7 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
             opts: LockOptions::default().ttl(TTL).wait(WAIT).fair(true),
         }),
         rslock: Arc::new(rs),
+        floors,
     };
     let dur = Duration::from_secs(args.seconds);
     let mut rounds = Vec::new();
@@ -175,6 +190,7 @@ struct Libs {
     default: Arc<Fencelock>,
     fair: Arc<Fencelock>,
     rslock: Arc<Rslock>,
+    floors: Vec<Bare>,
 }
 
 impl Libs {
@@ -198,12 +214,32 @@ impl Libs {
             let f = self.fencelock(r, base, dur, stop).await?;
             (f, s, "rslock")
         };
+        let mut floors = Vec::new();
+        for bare in &self.floors {
+            let kind = bare.scripts();
+            let seq = bounded(
+                dur,
+                harness::sequential(
+                    bare,
+                    |i| format!("{base}-{}-seq-{r}-{i}", kind.key()),
+                    dur,
+                    stop,
+                ),
+            )
+            .await?
+            .map_err(|e| {
+                eprintln!("fencelock-bench peers: {}: {e}", kind.label());
+                anyhow::Error::from(Exit(exit::UNAVAILABLE))
+            })?;
+            floors.push((kind, seq));
+        }
         rtt.extend(round_trip(servers, &rtt_key).await?);
         Ok(Round {
             first,
             round_trip: Samples::new(rtt).p(50.0),
             fencelock,
             rslock,
+            floors,
         })
     }
 

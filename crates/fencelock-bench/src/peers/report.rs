@@ -180,6 +180,12 @@ pub(super) fn round_line(out: &mut Out, r: u32, round: &Round) {
             out.num(&format!("{p}.{lib}.{}", x.key), x.value);
         }
     }
+    for (kind, pairs) in &round.floors {
+        out.num(
+            &format!("{p}.floor.{}.pairs_per_s", kind.key()),
+            pairs.per_s,
+        );
+    }
     let timeouts: u64 = round
         .fencelock
         .modes
@@ -273,6 +279,8 @@ pub(super) fn summary(out: &mut Out, setup: &Setup, rounds: &[Round]) {
          lock handed over in one round trip",
     );
 
+    floors(out, rounds);
+
     out.line(String::new());
     out.line("targets (performance issue, Redis):");
     let targets: Vec<(&str, String, f64, bool)> = if setup.engine == "redlock" {
@@ -357,6 +365,40 @@ pub(super) fn summary(out: &mut Out, setup: &Setup, rounds: &[Round]) {
         ));
         out.text(&format!("target.{id}"), verdict);
     }
+}
+
+/// The floors of the sequential figure (see `floor.rs`): each as pairs/s, as a ratio of
+/// rslock's and as what fencelock reaches of it, medians of the same round's ratios.
+fn floors(out: &mut Out, rounds: &[Round]) {
+    let Some(first) = rounds.first() else {
+        return;
+    };
+    out.line(String::new());
+    out.line(format!(
+        "{:<50} {:>10} {:>10} {:>17}",
+        "floors: sequential pairs/s", "pairs/s", "/ rslock", "fencelock / this"
+    ));
+    for (i, (kind, _)) in first.floors.iter().enumerate() {
+        let of = |r: &Round| r.floors.get(i).map_or(f64::NAN, |(_, p)| p.per_s);
+        let per_s = median_of(rounds.iter().map(of));
+        let vs_rslock = median_of(rounds.iter().map(|r| of(r) / r.rslock.sequential.per_s));
+        let fencelock = median_of(rounds.iter().map(|r| r.fencelock.sequential.per_s / of(r)));
+        out.line(format!(
+            "{:<50} {:>10} {:>10} {:>17}",
+            kind.label(),
+            text(Unit::Rate, per_s),
+            text(Unit::Ratio, vs_rslock),
+            text(Unit::Ratio, fencelock)
+        ));
+        out.num(&format!("floor.{}.pairs_per_s", kind.key()), per_s);
+        out.num(&format!("floor.{}.over_rslock", kind.key()), vs_rslock);
+        out.num(&format!("floor.{}.fencelock_over", kind.key()), fencelock);
+    }
+    out.line(
+        "floors: the bare redis crate on every node at once, no client work around the calls; \
+         fencelock's scripts are the engine's own for one uncontended pair, the minimal pair is \
+         SET NX PX + INCR in one script and rslock's compare-and-delete",
+    );
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ mod extend;
 mod keys;
 mod limits;
 mod node;
+mod pair;
 mod release;
 mod runbook;
 pub(super) mod scripts;
@@ -42,6 +43,7 @@ use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::wake::Wakers;
 use keys::Keys;
 use node::Node;
+pub use pair::{RedisPairCalls, RedisScriptCall};
 use url::RedisUrl;
 
 /// Opens the nodes of `url`: the lock, and a FIFO queue of waiters on every node (fair mode).

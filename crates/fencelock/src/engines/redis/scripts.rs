@@ -115,9 +115,10 @@ fn with_shared(body: &str) -> Script {
 ///
 /// Taking the lock and reading who held it are one `SET NX PX GET`, which needs Redis 7.0;
 /// older servers get a clear error instead. A new node's id is its clock at the first grant.
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_SOURCE));
+
+/// The text of [`ACQUIRE`].
+pub(crate) const ACQUIRE_SOURCE: &str = r#"
 if not redis.REDIS_VERSION_NUM then
   return redis.error_reply('fencelock needs Redis 7.0 or later')
 end
@@ -188,9 +189,7 @@ else
 end
 redis.call('SET', KEYS[3], s .. '\n' .. owner .. '\n' .. ttl .. '\n' .. ARGV[4], 'PX', ttl)
 return {1, s, node}
-"#,
-    )
-});
+"#;
 
 /// Acquire in fair (FIFO) mode, advancing the fencing counter in the same step.
 ///
@@ -374,8 +373,12 @@ return out
 /// died while queued blocks the lock no longer than its entry would have; the waiter's client
 /// renews the lease to its full TTL at once. The limits are checked for the waiter as its own
 /// attempt would: over them, it is woken instead and its retry hears the refusal.
-pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(&RELEASE_BODY.replace("{SHARED}", SHARED)));
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(&release_source()));
+
+/// The text of [`RELEASE`].
+pub(crate) fn release_source() -> String {
+    RELEASE_BODY.replace("{SHARED}", SHARED)
+}
 
 /// [`RELEASE`], with the [`SHARED`] functions defined only in the branch that hands the lock
 /// on: a function definition costs its closure on every call that runs it, and an uncontended
