@@ -277,7 +277,7 @@ fn peers_keys(engine: &str) -> Vec<String> {
         "rslock.retry_delay_ms".to_owned(),
     ]);
     // The bare driver's floors under the sequential figure.
-    for floor in ["fencelock_scripts", "minimal_scripts"] {
+    for floor in ["fencelock_scripts", "minimal_scripts", "transaction"] {
         for k in ["pairs_per_s", "over_rslock", "fencelock_over"] {
             keys.push(format!("floor.{floor}.{k}"));
         }

@@ -5,7 +5,11 @@
 //!
 //! Against rslock in the same round, (a) tells what fencelock's scripts cost on the servers
 //! with no client work around them, and fencelock against (a) what its client adds; (b) tells
-//! what any script-based fenced lock costs, whatever it keeps beside the token.
+//! what any script-based fenced lock costs, whatever it keeps beside the token. (c) takes the
+//! lock and the token without a script, `SET NX PX` and `INCR` in one `MULTI`/`EXEC`: what the
+//! script machinery itself costs. It is no design fencelock could ship: the counter advances on
+//! every refused attempt too, restarts at 1 on a node that comes back empty (tokens going
+//! back), and nothing checks limits or records the holder.
 
 use futures_util::future::join_all;
 use redis::aio::MultiplexedConnection;
@@ -30,6 +34,8 @@ pub(crate) enum Scripts {
     Fencelock,
     /// The minimal fenced pair.
     Minimal,
+    /// `SET NX PX` and `INCR` in a transaction, and rslock's release.
+    Transaction,
 }
 
 impl Scripts {
@@ -37,6 +43,7 @@ impl Scripts {
         match self {
             Scripts::Fencelock => "fencelock_scripts",
             Scripts::Minimal => "minimal_scripts",
+            Scripts::Transaction => "transaction",
         }
     }
 
@@ -44,6 +51,7 @@ impl Scripts {
         match self {
             Scripts::Fencelock => "redis crate + fencelock's scripts",
             Scripts::Minimal => "redis crate + SET NX PX/INCR script",
+            Scripts::Transaction => "redis crate + SET NX PX/INCR in MULTI",
         }
     }
 }
@@ -87,7 +95,9 @@ impl Bare {
                     Script::new(&calls.release.source),
                 )
             }
-            Scripts::Minimal => (Script::new(MINIMAL_ACQUIRE), Script::new(MINIMAL_RELEASE)),
+            Scripts::Minimal | Scripts::Transaction => {
+                (Script::new(MINIMAL_ACQUIRE), Script::new(MINIMAL_RELEASE))
+            }
         };
         Ok(Bare {
             url: parsed,
@@ -97,6 +107,33 @@ impl Bare {
             release,
             prefix: prefix.to_owned(),
         })
+    }
+
+    /// `MULTI`, `SET lock owner NX PX ttl`, `INCR fence`, `EXEC` on every node at once (one
+    /// round trip each); the number of nodes whose `SET` took the lock.
+    async fn transaction(&self, lock: &str, fence: &str, owner: &str) -> Result<usize, RedisError> {
+        let ttl = super::TTL.as_millis().to_string();
+        let calls = self.conns.iter().map(|conn| {
+            let mut conn = conn.clone();
+            let mut pipe = redis::pipe();
+            pipe.atomic()
+                .cmd("SET")
+                .arg(lock)
+                .arg(owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(&ttl)
+                .cmd("INCR")
+                .arg(fence);
+            async move { pipe.query_async::<(Option<String>, i64)>(&mut conn).await }
+        });
+        let mut yes = 0;
+        for reply in join_all(calls).await {
+            if reply?.0.is_some() {
+                yes += 1;
+            }
+        }
+        Ok(yes)
     }
 
     pub(crate) fn scripts(&self) -> Scripts {
@@ -133,6 +170,14 @@ impl Bare {
     }
 }
 
+fn refused(name: &str, granted: usize, nodes: usize) -> RedisError {
+    RedisError::from((
+        redis::ErrorKind::Client,
+        "a node refused a free name",
+        format!("{granted} of {nodes} nodes granted {name}"),
+    ))
+}
+
 fn first_is_one(v: &Value) -> bool {
     match v {
         Value::Array(items) => matches!(items.first(), Some(Value::Int(1))),
@@ -165,6 +210,20 @@ impl LockLib for Bare {
                 };
                 (calls.acquire.keys, calls.acquire.args, guard, first_is_one)
             }
+            Scripts::Transaction => {
+                let lock = format!("{}lock:{name}", self.prefix);
+                let fence = format!("{}fence:{name}", self.prefix);
+                let guard = BareGuard {
+                    keys: vec![lock.clone()],
+                    args: vec![owner.clone()],
+                };
+                let granted = self.transaction(&lock, &fence, &owner).await?;
+                return if granted == self.conns.len() {
+                    Ok(guard)
+                } else {
+                    Err(refused(name, granted, self.conns.len()))
+                };
+            }
             Scripts::Minimal => {
                 let lock = format!("{}lock:{name}", self.prefix);
                 let fence = format!("{}fence:{name}", self.prefix);
@@ -183,11 +242,7 @@ impl LockLib for Bare {
         if granted == self.conns.len() {
             Ok(guard)
         } else {
-            Err(RedisError::from((
-                redis::ErrorKind::Client,
-                "a node refused a free name",
-                format!("{granted} of {} nodes granted {name}", self.conns.len()),
-            )))
+            Err(refused(name, granted, self.conns.len()))
         }
     }
 

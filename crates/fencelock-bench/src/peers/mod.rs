@@ -119,7 +119,7 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
         Exit(exit::USAGE)
     })?;
     let mut floors = Vec::new();
-    for scripts in [Scripts::Fencelock, Scripts::Minimal] {
+    for scripts in [Scripts::Fencelock, Scripts::Minimal, Scripts::Transaction] {
         let bare = Bare::connect(&url, scripts, fencelock::DEFAULT_PREFIX)
             .await
             .map_err(|e| {

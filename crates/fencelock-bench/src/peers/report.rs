@@ -397,7 +397,8 @@ fn floors(out: &mut Out, rounds: &[Round]) {
     out.line(
         "floors: the bare redis crate on every node at once, no client work around the calls; \
          fencelock's scripts are the engine's own for one uncontended pair, the minimal pair is \
-         SET NX PX + INCR in one script and rslock's compare-and-delete",
+         SET NX PX + INCR in one script and rslock's compare-and-delete, MULTI the same \
+         without the acquire script (not a safe design: see docs/benchmarks.md)",
     );
 }
 
