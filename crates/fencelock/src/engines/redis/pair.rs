@@ -90,6 +90,8 @@ impl RedisUrl {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     #[test]
     fn one_node_and_redlock_differ_in_the_floor_and_the_handoff_flag_only() {
         let url = |u: &str| match crate::Backend::parse(u) {
@@ -113,6 +115,4 @@ mod tests {
         assert_eq!(one.release.args, ["o", "2", "1", "0"]);
         assert_eq!(three.release.args, ["o", "2", "0", "0"]);
     }
-
-    use std::time::Duration;
 }
