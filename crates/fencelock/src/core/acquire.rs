@@ -262,11 +262,15 @@ impl Client {
                     Err(e) => e,
                 });
             }
-            if fair.is_some() {
+            if fair.is_some() || (wake.is_some() && hint.is_some()) {
                 // A queued waiter is woken (or handed the lock) by the release; its own
                 // retries only keep its queue entry alive and cover a lost wake-up, so early
                 // short pauses would only add server calls that the releases have to queue
-                // behind.
+                // behind. The same holds for a barging waiter refused by a holder on every
+                // node it asked (the engine then gives the holder's time left as the hint):
+                // the release announces itself to it, as Redisson's waiters wait for the
+                // release message rather than poll. After a split vote (no hint) a release
+                // may announce itself on too few nodes, so such a waiter keeps its backoff.
                 backoff = max_backoff;
             }
             let mut pause = jitter(backoff).min(deadline - now);

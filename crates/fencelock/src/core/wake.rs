@@ -16,6 +16,11 @@
 //!   release; a waiter that retried after the first would find the lock still held on the
 //!   others. A waiter retries once announcements from `need` distinct nodes (the quorum)
 //!   concern it, or when its own pause ends.
+//! - **A release by this client** need not wait for the nodes' announcements: once the release
+//!   is written to every node's connection, [`Wakers::wake_ahead`] wakes the oldest waiter at
+//!   once (in the default, barging mode only), and its retry follows the release on each
+//!   connection, so the server runs it right after the release. The nodes' own announcements
+//!   of that release then reach the same waiter, still in its place, and are spent with it.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -194,9 +199,16 @@ impl Drop for WakeRx {
 
 struct Entry {
     tx: watch::Sender<Wake>,
-    /// The waiters of this client that took a place, oldest first, each with the number of
-    /// its live subscriptions.
-    waiters: Vec<(String, usize)>,
+    /// The waiters of this client that took a place, oldest first.
+    waiters: Vec<Waiter>,
+}
+
+struct Waiter {
+    owner: String,
+    /// Its live subscriptions.
+    refs: usize,
+    /// Waits in FIFO mode, where the release itself hands the lock on or names the head.
+    fair: bool,
 }
 
 #[derive(Default)]
@@ -251,13 +263,24 @@ impl Wakers {
 
     /// The announcements of `name` for the waiter `owner`, which keeps its place among the
     /// waiters while any of its subscriptions lives; a release is `need` nodes' announcements.
-    pub(crate) fn subscribe_as(self: &Arc<Self>, name: &str, owner: &str, need: usize) -> WakeRx {
+    /// `fair`: the waiter is in a FIFO queue, which [`Wakers::wake_ahead`] leaves alone.
+    pub(crate) fn subscribe_as(
+        self: &Arc<Self>,
+        name: &str,
+        owner: &str,
+        need: usize,
+        fair: bool,
+    ) -> WakeRx {
         let mut map = self.entries();
         let (rx, seen) = Self::receiver(&mut map, name);
         if let Some(e) = map.get_mut(name) {
-            match e.waiters.iter_mut().find(|(o, _)| o == owner) {
-                Some((_, refs)) => *refs += 1,
-                None => e.waiters.push((owner.to_owned(), 1)),
+            match e.waiters.iter_mut().find(|w| w.owner == owner) {
+                Some(w) => w.refs += 1,
+                None => e.waiters.push(Waiter {
+                    owner: owner.to_owned(),
+                    refs: 1,
+                    fair,
+                }),
             }
         }
         WakeRx {
@@ -280,11 +303,11 @@ impl Wakers {
         let Some(e) = map.get_mut(name) else {
             return true;
         };
-        let Some(i) = e.waiters.iter().position(|(o, _)| o == owner) else {
+        let Some(i) = e.waiters.iter().position(|w| w.owner == owner) else {
             return true;
         };
-        e.waiters[i].1 -= 1;
-        if e.waiters[i].1 == 0 {
+        e.waiters[i].refs -= 1;
+        if e.waiters[i].refs == 0 {
             e.waiters.remove(i);
             return true;
         }
@@ -303,9 +326,32 @@ impl Wakers {
     ) {
         let map = self.entries();
         if let Some(e) = map.get(name) {
-            let only = only.or_else(|| e.waiters.first().map(|(o, _)| o.clone()));
+            let only = only.or_else(|| e.waiters.first().map(|w| w.owner.clone()));
             e.tx.send_modify(|w| w.push(node, only, granted));
         }
+    }
+
+    /// This client's release of `name` has been written to the connection of each of `nodes`
+    /// nodes, answers pending: wakes the oldest waiter of `name` with a place now, as if every
+    /// node had announced the release, if it waits in the default mode. Its retry then goes
+    /// out behind the release on every connection, which saves the trip of the nodes'
+    /// announcements before it. A fair waiter is left to the release's own handoff or
+    /// announcement, which name the head of the queue. Returns whether a waiter was woken.
+    pub(crate) fn wake_ahead(&self, name: &str, nodes: usize) -> bool {
+        let map = self.entries();
+        let Some(e) = map.get(name) else {
+            return false;
+        };
+        let Some(first) = e.waiters.first().filter(|w| !w.fair) else {
+            return false;
+        };
+        let owner = first.owner.clone();
+        e.tx.send_modify(|w| {
+            for node in 0..nodes {
+                w.push(node, Some(owner.clone()), None);
+            }
+        });
+        true
     }
 }
 
@@ -390,13 +436,13 @@ mod tests {
     #[tokio::test]
     async fn a_release_naming_nobody_wakes_the_oldest_waiter_only() {
         let wakers = Arc::new(Wakers::default());
-        let mut first = wakers.subscribe_as("r", "w1", 1);
-        let mut second = wakers.subscribe_as("r", "w2", 1);
+        let mut first = wakers.subscribe_as("r", "w1", 1, false);
+        let mut second = wakers.subscribe_as("r", "w2", 1, false);
         wakers.wake("r", 0, None, None);
         assert_eq!(concerning(&mut second, "w2").await, None);
         assert_eq!(concerning(&mut first, "w1").await, Some(None));
         // A retry subscribes again before the old subscription ends: the place is kept.
-        let again = wakers.subscribe_as("r", "w1", 1);
+        let again = wakers.subscribe_as("r", "w1", 1, false);
         drop(first);
         wakers.wake("r", 0, None, None);
         assert_eq!(concerning(&mut second, "w2").await, None);
@@ -408,14 +454,14 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_that_gives_up_passes_its_wake_up_on_unless_it_was_granted() {
         let wakers = Arc::new(Wakers::default());
-        let first = wakers.subscribe_as("r", "w1", 1);
-        let mut second = wakers.subscribe_as("r", "w2", 1);
+        let first = wakers.subscribe_as("r", "w1", 1, false);
+        let mut second = wakers.subscribe_as("r", "w2", 1, false);
         wakers.wake("r", 0, None, None);
         drop(first);
         assert_eq!(concerning(&mut second, "w2").await, Some(None));
 
-        let granted = wakers.subscribe_as("r", "w3", 1);
-        let mut last = wakers.subscribe_as("r", "w4", 1);
+        let granted = wakers.subscribe_as("r", "w3", 1, false);
+        let mut last = wakers.subscribe_as("r", "w4", 1, false);
         drop(second);
         wakers.wake("r", 0, None, None);
         granted.settle();
@@ -425,7 +471,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_on_a_quorum_retries_once_enough_nodes_released() {
         let wakers = Arc::new(Wakers::default());
-        let mut w = wakers.subscribe_as("r", "w", 2);
+        let mut w = wakers.subscribe_as("r", "w", 2, false);
         wakers.wake("r", 1, None, None);
         wakers.wake("r", 1, None, None);
         assert_eq!(concerning(&mut w, "w").await, None);
@@ -437,5 +483,28 @@ mod tests {
             concerning(&mut w, "w").await,
             Some(Some(FencingToken::new(9)))
         );
+    }
+
+    #[tokio::test]
+    async fn a_release_on_its_way_wakes_the_oldest_barging_waiter_on_every_node() {
+        let wakers = Arc::new(Wakers::default());
+        assert!(!wakers.wake_ahead("r", 3));
+        let mut first = wakers.subscribe_as("r", "w1", 2, false);
+        let mut second = wakers.subscribe_as("r", "w2", 2, false);
+        assert!(wakers.wake_ahead("r", 3));
+        // A quorum of nodes is heard at once; the next waiter is not woken.
+        assert_eq!(concerning(&mut first, "w1").await, Some(None));
+        assert_eq!(concerning(&mut second, "w2").await, None);
+        // The nodes' own announcements of that release reach the same waiter, which settles.
+        wakers.wake("r", 0, None, None);
+        wakers.wake("r", 1, None, None);
+        first.settle();
+        assert_eq!(concerning(&mut second, "w2").await, None);
+
+        // A fair waiter first in line is left to the release's handoff.
+        let fair = Arc::new(Wakers::default());
+        let mut queued = fair.subscribe_as("q", "w1", 1, true);
+        assert!(!fair.wake_ahead("q", 1));
+        assert_eq!(concerning(&mut queued, "w1").await, None);
     }
 }

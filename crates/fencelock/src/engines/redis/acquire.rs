@@ -170,7 +170,9 @@ impl RedisEngine {
         let keys = self.keys(&req.name);
         // Subscribed before the attempt is sent: a release announced after the refusal below
         // changes this receiver even if the waiter has not started waiting yet.
-        let wake = self.wakers.subscribe_as(&req.name, &req.owner, self.quorum);
+        let wake = self
+            .wakers
+            .subscribe_as(&req.name, &req.owner, self.quorum, fair.is_some());
         let limit = self.node_timeout(req.ttl);
         let floor = self.floor();
         let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&req.meta));

@@ -1,5 +1,7 @@
 //! Owner-checked release on every node: of a lease, or of a split vote's minority grant.
 
+use std::future::Future;
+use std::task::Poll;
 use std::time::Duration;
 
 use super::keys::Keys;
@@ -60,15 +62,25 @@ impl RedisEngine {
         let (n, q) = (self.nodes.len(), self.quorum);
         // Decided once a quorum released, or so many did not that a quorum no longer can: a
         // hung node does not hold up the end of a command that has finished.
-        let answers = self
-            .ask_until(
-                |node| self.release_on(node, &keys, owner, Release::Done, self.op_timeout),
-                |ok| {
-                    let yes = ok.iter().filter(|r| ***r).count();
-                    yes >= q || ok.len() - yes > n - q
-                },
-            )
-            .await;
+        let release = self.ask_until(
+            |node| self.release_on(node, &keys, owner, Release::Done, self.op_timeout),
+            |ok| {
+                let yes = ok.iter().filter(|r| ***r).count();
+                yes >= q || ok.len() - yes > n - q
+            },
+        );
+        let mut release = std::pin::pin!(release);
+        // The first poll writes the release to every node's connection. A waiter of this
+        // client woken now sends its retry behind it on each connection, so the nodes run the
+        // retry right after the release, without waiting for their announcements of it.
+        let first = std::future::poll_fn(|cx| Poll::Ready(release.as_mut().poll(cx))).await;
+        let answers = match first {
+            Poll::Ready(answers) => answers,
+            Poll::Pending => {
+                self.wakers.wake_ahead(name, n);
+                release.await
+            }
+        };
         answers.unless_every_node_failed()?;
         Ok(answers.quorum_says(|released| *released))
     }

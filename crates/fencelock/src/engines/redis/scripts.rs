@@ -407,7 +407,9 @@ if not waiting then
   return 1
 end
 local queue, wake = key('queue:'), key('wake:')
-if ARGV[3] == '1' then
+-- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
+-- the handoff's functions and reads would only cost the release.
+if ARGV[3] == '1' and redis.call('EXISTS', queue) == 1 then
   {SHARED}
   local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
