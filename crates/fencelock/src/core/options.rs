@@ -71,7 +71,10 @@ impl LockOptions {
     }
 
     /// Bounds of the jittered exponential backoff between attempts when the engine has no
-    /// wake-up to offer. A waiter never sleeps longer than the holder's remaining TTL.
+    /// wake-up to offer. A waiter the release will wake (a fair waiter, and on Redis one
+    /// refused by a holder on every node it asked) pauses for the maximum, since its retries
+    /// then only cover a lost wake-up. A waiter never sleeps longer than the holder's remaining
+    /// TTL.
     pub fn backoff(mut self, min: Duration, max: Duration) -> LockOptions {
         self.retry_min = min;
         self.retry_max = max;
