@@ -156,15 +156,12 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
             t == fencing
         })
         .await;
-        assert_eq!(
-            c.find(Locator::Css(&format!("{row} .state")))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap(),
-            "held"
-        );
+        // Read through wait_text: the table is redrawn every second, and an element found just
+        // before a redraw is stale when its text is asked for.
+        wait_text(&c, &format!("{row} .state"), Duration::from_secs(5), |t| {
+            t == "held"
+        })
+        .await;
         click(&c, Locator::Css(row)).await;
         wait_text(&c, "#detail", Duration::from_secs(5), |t| {
             t.contains(&fencing) && t.contains("stream")

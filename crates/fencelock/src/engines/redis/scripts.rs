@@ -408,8 +408,9 @@ if not waiting then
 end
 local queue, wake = key('queue:'), key('wake:')
 -- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
--- the handoff's functions and reads would only cost the release.
-if ARGV[3] == '1' and redis.call('EXISTS', queue) == 1 then
+-- the handoff's functions and reads would only cost the release. (ZCARD, not EXISTS: the
+-- ACL users fencelock prints already allow it.)
+if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
   {SHARED}
   local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
