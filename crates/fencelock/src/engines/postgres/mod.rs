@@ -418,12 +418,12 @@ impl Shared {
         self.connect_with(|| {}).await
     }
 
-    /// The limits stored for this prefix.
+    /// The limits stored for this prefix (an unnamed statement, as in [`Shared::write_limits`]).
     async fn read_limits(&self, client: &Client) -> Result<Vec<StoredLimits>> {
         let rows = self
-            .bounded(client.query(
+            .bounded(client.query_typed(
                 "SELECT max_ttl_ms, max_held FROM fencelock_limits WHERE prefix = $1",
-                &[&self.prefix],
+                &[(&self.prefix, Type::TEXT)],
             ))
             .await?;
         let limits = match rows.first() {
@@ -448,23 +448,33 @@ impl Shared {
         }])
     }
 
-    /// Stores (or, empty, deletes) the limits of this prefix.
+    /// Stores (or, empty, deletes) the limits of this prefix. Unnamed statements with their
+    /// types given, parsed and run in one round trip: a named statement prepared first may
+    /// reach another server connection than its execution through a transaction pooler, which
+    /// then answers that it does not exist.
     async fn write_limits(&self, client: &Client, limits: &Limits) -> Result<()> {
         let (prefix, ttl, held) = (&self.prefix, limits.max_ttl_ms(), limits.max_held_value());
         let empty = limits.is_empty();
         self.bounded(async move {
             if empty {
                 client
-                    .execute("DELETE FROM fencelock_limits WHERE prefix = $1", &[prefix])
+                    .query_typed(
+                        "DELETE FROM fencelock_limits WHERE prefix = $1",
+                        &[(prefix, Type::TEXT)],
+                    )
                     .await
             } else {
                 client
-                    .execute(
+                    .query_typed(
                         "INSERT INTO fencelock_limits (prefix, max_ttl_ms, max_held)
                          VALUES ($1, $2, $3)
                          ON CONFLICT (prefix) DO UPDATE SET
                            max_ttl_ms = EXCLUDED.max_ttl_ms, max_held = EXCLUDED.max_held",
-                        &[prefix, &ttl, &held],
+                        &[
+                            (prefix, Type::TEXT),
+                            (&ttl, Type::INT8),
+                            (&held, Type::INT8),
+                        ],
                     )
                     .await
             }
