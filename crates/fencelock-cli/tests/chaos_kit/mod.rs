@@ -121,8 +121,8 @@ pub struct State {
 
 pub type Shared = Arc<Mutex<State>>;
 
-/// The worker processes, each stopped by its guard whatever happens.
-pub struct Workers(pub Vec<Proc>);
+/// The worker processes with their ids, each stopped by its guard whatever happens.
+pub struct Workers(pub Vec<(u32, Proc)>);
 
 pub type Spawner = Arc<dyn Fn(u32) -> Proc + Send + Sync>;
 
@@ -136,7 +136,7 @@ pub struct Late {
 impl Late {
     pub fn start(&self, id: u32) {
         let child = (self.spawn)(id);
-        self.workers.lock().unwrap().0.push(child);
+        self.workers.lock().unwrap().0.push((id, child));
     }
 }
 
@@ -468,8 +468,9 @@ where
     let workers = Arc::new(Mutex::new(Workers(Vec::new())));
     for r in 0..run.resources {
         for k in 0..run.per_resource {
-            let child = spawn((r as u32) * 10 + k);
-            workers.lock().unwrap().0.push(child);
+            let id = (r as u32) * 10 + k;
+            let child = spawn(id);
+            workers.lock().unwrap().0.push((id, child));
         }
     }
     let late = Late {
@@ -494,9 +495,24 @@ where
     }
     hold.notify_waiters();
     let stopped = std::mem::take(&mut workers.lock().unwrap().0);
-    drop(Workers(stopped));
+    // Stopped one by one: a worker killed while it holds a lock reports neither a release nor
+    // a loss, and where the lock dies with its session (PostgreSQL's advisory locks) a worker
+    // still running is granted it at once. A dead process holds and writes nothing, so its
+    // window ends when it was reaped, not at its validity deadline.
+    let mut reaped = HashMap::new();
+    for (id, proc) in stopped {
+        drop(proc);
+        reaped.insert(id, mono_ns());
+    }
     let elapsed = started.elapsed().as_secs_f64();
-    let s = state.lock().unwrap();
+    let mut s = state.lock().unwrap();
+    for g in s.grants.iter_mut() {
+        if let Some(&at) = reaped.get(&g.worker) {
+            if g.released.is_none() && g.lost.is_none() && at < g.valid_until {
+                g.released = Some(at);
+            }
+        }
+    }
     Outcome {
         verdict: check(&s.grants, &s.writes),
         cycles: s.cycles,
