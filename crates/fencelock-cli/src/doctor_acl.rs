@@ -42,7 +42,7 @@ fn sample(command: &str, prefix: &str, db: i64) -> Option<Vec<String>> {
     }
     wake.push_str("wake:*");
     let args: Vec<String> = match command {
-        "del" => vec!["DEL".into(), key("lock"), key("meta"), key("wait")],
+        "del" => vec!["DEL".into(), key("lock")],
         "evalsha" => vec!["EVALSHA".into(), "0".repeat(40), "1".into(), key("lock")],
         "exec" => vec!["EXEC".into()],
         "get" => vec!["GET".into(), key("lock")],

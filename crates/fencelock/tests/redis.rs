@@ -249,10 +249,14 @@ async fn plain_set_nx_px_and_fencelock_exclude_each_other() {
     assert_eq!(e.kind(), ErrorKind::HeldByAnother);
     assert_eq!(e.holder().unwrap().owner, "php-worker-7");
     assert!(e.holder().unwrap().ttl_left.unwrap() <= Duration::from_secs(5));
+    // The refusal left the other client's value as it wrote it: it still releases by it.
+    assert_eq!(cli(&server, &["GET", &key]), "php-worker-7");
     assert_eq!(cli(&server, &["DEL", &key]), "1");
 
     let lease = c.try_acquire("job", &LockOptions::default()).await.unwrap();
-    assert_eq!(cli(&server, &["GET", &key]), lease.owner());
+    // The value's first line is the owner; the rest is the holder's metadata.
+    let value = cli(&server, &["GET", &key]);
+    assert_eq!(value.lines().next(), Some(lease.owner()));
     assert_eq!(
         cli(&server, &["SET", &key, "php-worker-7", "NX", "PX", "5000"]),
         ""
@@ -346,7 +350,7 @@ async fn fair_order_on(nodes: &[RedisServer]) {
         .try_acquire("r", &LockOptions::default())
         .await
         .unwrap();
-    let queue = holder.keys_for("r").unwrap()[3].1.clone();
+    let queue = holder.keys_for("r").unwrap()[2].1.clone();
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..4 {
@@ -373,8 +377,12 @@ async fn fair_order_on(nodes: &[RedisServer]) {
         timeout(Duration::from_secs(20), t).await.unwrap().unwrap();
     }
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+    // A release returns once a quorum released; the last node's part may still be on its way.
     for n in nodes {
-        assert_eq!(cli(n, &["ZCARD", &queue]), "0");
+        assert!(wait_until(Duration::from_secs(5), || cli(
+            n,
+            &["ZCARD", &queue]
+        ) == "0"));
     }
 }
 
@@ -413,7 +421,7 @@ async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt
     let (holder, first) = warm_holder_of_r(&server).await;
     let waiter = connect(&server.url()).await;
     let keys = holder.keys_for("r").unwrap();
-    let (lock, queue) = (keys[0].1.clone(), keys[3].1.clone());
+    let (lock, queue) = (keys[0].1.clone(), keys[2].1.clone());
     // The waiter's next attempt would come seconds later; its queue entry lives 4 backoffs
     // plus the operation timeout (21 s), less than the TTL, so the grant's expiry is cut.
     let ttl = Duration::from_secs(60);
@@ -442,7 +450,10 @@ async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt
     // The release granted it: the waiter sent nothing between the release and its lease.
     assert_eq!(script_calls(&server) - before, 1);
     assert!(second.token() > first_token);
-    assert_eq!(cli(&server, &["GET", &lock]), second.owner());
+    assert_eq!(
+        cli(&server, &["GET", &lock]).lines().next(),
+        Some(second.owner())
+    );
     assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
     let holder_now = holder.inspect("r").await.unwrap().unwrap();
     assert_eq!(holder_now.token, Some(second.token()));
@@ -471,8 +482,7 @@ async fn handoffs_chain_through_every_queued_fair_waiter() {
     let server = RedisServer::start().unwrap();
     let (holder, first) = warm_holder_of_r(&server).await;
     let keys = holder.keys_for("r").unwrap();
-    let queue = keys[3].1.clone();
-    let wait_flag = keys.iter().find(|(k, _)| *k == "wait").unwrap().1.clone();
+    let queue = keys[2].1.clone();
     // Each waiter's own next attempt would come 4 s later: only handoffs can finish the chain
     // within the 3 s allowed below.
     let opts = LockOptions::default()
@@ -507,7 +517,6 @@ async fn handoffs_chain_through_every_queued_fair_waiter() {
     // Four releases and nothing else: each release handed the lock to the next waiter.
     assert_eq!(script_calls(&server) - before, 4);
     assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
-    assert_eq!(cli(&server, &["EXISTS", &wait_flag]), "0");
     assert!(holder.inspect("r").await.unwrap().is_none());
 }
 
@@ -541,7 +550,7 @@ async fn a_cancelled_fair_waiter_leaves_no_queue_entry() {
         .try_acquire("r", &LockOptions::default())
         .await
         .unwrap();
-    let queue = holder.keys_for("r").unwrap()[3].1.clone();
+    let queue = holder.keys_for("r").unwrap()[2].1.clone();
     let opts = LockOptions::default()
         .fair(true)
         .wait(Duration::from_secs(30));

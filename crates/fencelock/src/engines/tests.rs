@@ -215,16 +215,13 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     let client = ::redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let mut plain = super::redis::scripts::ACQUIRE.prepare_invoke();
-    for k in [
-        "lock:r", "fence:r", "meta:r", "node", "wait:r", "limits", "held:me",
-    ] {
+    for k in ["lock:r", "fence:r", "node", "limits", "held:me"] {
         plain.key(format!("t:{k}"));
     }
     plain.arg("owner").arg(300_000).arg(0).arg("0\n1\nhost\nme");
     let mut fair = super::redis::scripts::ACQUIRE_FAIR.prepare_invoke();
     for k in [
-        "lock:r", "fence:r", "meta:r", "node", "wait:r", "queue:r", "qexp:r", "qseq:r", "qinfo:r",
-        "limits", "held:me",
+        "lock:r", "fence:r", "node", "queue:r", "qexp:r", "qseq:r", "qinfo:r", "limits", "held:me",
     ] {
         fair.key(format!("t:{k}"));
     }

@@ -91,9 +91,7 @@ impl RedisEngine {
                 let mut inv = scripts::ACQUIRE.prepare_invoke();
                 inv.key(&keys.lock)
                     .key(&keys.fence)
-                    .key(&keys.meta)
                     .key(&self.node_key)
-                    .key(&keys.wait)
                     .key(&self.limits_key)
                     .key(&self.held_key)
                     .arg(&req.owner)
@@ -106,9 +104,7 @@ impl RedisEngine {
                 let mut inv = scripts::ACQUIRE_FAIR.prepare_invoke();
                 inv.key(&keys.lock)
                     .key(&keys.fence)
-                    .key(&keys.meta)
                     .key(&self.node_key)
-                    .key(&keys.wait)
                     .key(&keys.queue)
                     .key(&keys.qexp)
                     .key(&keys.qseq)
@@ -138,10 +134,11 @@ impl RedisEngine {
             }
             Some(0) => {
                 let pttl = pttl_of(reply.get(1));
+                let counter = reply.get(4).and_then(as_u64);
                 let holder = reply
                     .get(3)
                     .and_then(as_string)
-                    .map(|owner| holder_from(owner, pttl, reply.get(4)));
+                    .map(|value| holder_from(&value, pttl, counter));
                 Ok(NodeAttempt::Held { holder, pttl })
             }
             Some(2) => {

@@ -22,7 +22,7 @@ impl RedisEngine {
             inv.key(&self.limits_key).key(&self.held_key);
             for r in chunk {
                 let k = self.keys(&r.name);
-                inv.key(k.lock).key(k.meta).arg(&r.owner).arg(ms(r.ttl));
+                inv.key(k.lock).arg(&r.owner).arg(ms(r.ttl));
             }
             let flags: Vec<i64> = node.run(inv, limit).await?;
             if flags.len() != chunk.len() {

@@ -4,10 +4,8 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `P lock: N` | string | the holder's owner value, set with `SET key owner NX PX ttl` |
-//! | `P fence: N` | string | the fencing counter (no expiry) |
-//! | `P meta: N` | string | holder metadata, `token\nowner\nttl_ms\nacquired_at_ms\npid\nhost\nclient`, same expiry as the lock |
-//! | `P wait: N` | string | set while someone waits for the lock, so that its release announces itself; expires with the lock (or with the FIFO queue) |
+//! | `P lock: N` | string | the holder, `owner\nWQ\nttl_ms\nacquired_at_ms\npid\nhost\nclient`, set with `SET key holder NX PX ttl`; `W` is `1` while someone waits (its release announces itself), `Q` is `1` when the grant is counted in its client's `held` set |
+//! | `P fence: N` | string | the fencing counter (no expiry); while the lock is held, its holder's token |
 //! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
 //! | `P wake: N` | pub/sub channel | a message on every release that someone waits for |
 //! | `P client: C` | pub/sub channel | the handoffs to the fair waiters of one client (`C`: a random id per client) |
@@ -37,12 +35,10 @@
 pub(crate) struct Keys {
     pub lock: String,
     pub fence: String,
-    pub meta: String,
     pub queue: String,
     pub qexp: String,
     pub qseq: String,
     pub qinfo: String,
-    pub wait: String,
     pub wake: String,
 }
 
@@ -52,12 +48,10 @@ impl Keys {
         Keys {
             lock: k("lock"),
             fence: k("fence"),
-            meta: k("meta"),
             queue: k("queue"),
             qexp: k("qexp"),
             qseq: k("qseq"),
             qinfo: k("qinfo"),
-            wait: k("wait"),
             wake: k("wake"),
         }
     }
@@ -66,12 +60,10 @@ impl Keys {
         vec![
             ("lock", self.lock.clone()),
             ("fence", self.fence.clone()),
-            ("meta", self.meta.clone()),
             ("queue", self.queue.clone()),
             ("qexp", self.qexp.clone()),
             ("qseq", self.qseq.clone()),
             ("qinfo", self.qinfo.clone()),
-            ("wait", self.wait.clone()),
             ("wake", self.wake.clone()),
         ]
     }
@@ -180,7 +172,7 @@ mod tests {
         assert_eq!(lock_pattern("p:", ""), "p:lock:*");
         let k = Keys::new("p:", "x:y");
         assert_eq!(name_of_lock_key("p:", &k.lock), Some("x:y"));
-        assert_eq!(name_of_lock_key("p:", &k.meta), None);
+        assert_eq!(name_of_lock_key("p:", &k.fence), None);
     }
 
     #[test]

@@ -61,9 +61,7 @@ impl RedisUrl {
                 keys: vec![
                     k.lock.clone(),
                     k.fence,
-                    k.meta.clone(),
                     keys::node_key(prefix),
-                    k.wait.clone(),
                     keys::limits_key(prefix),
                     held.clone(),
                 ],
@@ -76,7 +74,7 @@ impl RedisUrl {
             },
             release: RedisScriptCall {
                 source: scripts::release_source(),
-                keys: vec![k.lock, k.meta, k.wait, held],
+                keys: vec![k.lock, held],
                 args: vec![
                     owner.to_owned(),
                     prefix.len().to_string(),

@@ -33,8 +33,6 @@ impl RedisEngine {
     ) -> NodeResult<bool> {
         let mut inv = scripts::RELEASE.prepare_invoke();
         inv.key(&keys.lock)
-            .key(&keys.meta)
-            .key(&keys.wait)
             .key(&self.held_key)
             .arg(owner)
             .arg(self.prefix.len())

@@ -103,7 +103,7 @@ impl RedisEngine {
                     .cmd("PTTL")
                     .arg(&keys.lock)
                     .cmd("GET")
-                    .arg(&keys.meta);
+                    .arg(&keys.fence);
                 async move { n.query_pipe::<Vec<Value>>(&pipe, limit).await }
             })
             .await;
@@ -111,7 +111,7 @@ impl RedisEngine {
         let holders = answers.map(|_, v| {
             Ok(v.first()
                 .and_then(as_string)
-                .map(|owner| holder_from(owner, pttl_of(v.get(1)), v.get(2))))
+                .map(|value| holder_from(&value, pttl_of(v.get(1)), v.get(2).and_then(as_u64))))
         });
         // Held means held on a majority: a minority grant is not a lock.
         let found = holders
@@ -184,11 +184,9 @@ impl RedisEngine {
         let answers = self.ask(|n| {
             let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
             inv.key(&keys.lock)
-                .key(&keys.meta)
                 .key(&keys.fence)
                 .key(&keys.queue)
                 .key(&audit)
-                .key(&keys.wait)
                 .arg(expected_owner.unwrap_or(""))
                 .arg(floor)
                 .arg(&keys.wake)
@@ -211,7 +209,11 @@ impl RedisEngine {
                     node.addr
                 ));
             };
-            let mut holder = holder_from(owner, None, v.get(3));
+            let value = v
+                .get(3)
+                .and_then(as_string)
+                .unwrap_or_else(|| owner.clone());
+            let mut holder = holder_from(&value, None, v.get(5).and_then(as_u64));
             // As the script wrote it into the audit record.
             holder.renewed_at = v.get(4).and_then(as_i64).map(from_unix_millis);
             Ok(Some((c, holder)))
@@ -262,7 +264,7 @@ impl RedisEngine {
         if let Some((_, seen)) = released
             .answers()
             .flatten()
-            .find(|(_, h)| h.token.is_some())
+            .find(|(_, h)| h.client.is_some())
         {
             record.holder = seen.clone();
         }

@@ -7,10 +7,17 @@ use redis::Script;
 /// Lua functions the scripts that grant, hand over or force-release share; each of those
 /// scripts starts with them.
 ///
-/// The holder metadata is one string, `token\nowner\nttl\nacquired_at\nwho`, where `who` is
-/// the client's `pid\nhost\nclient` (the host without newlines, the client name last so it may
-/// hold any byte): one `SET ... PX` writes it and one `GET` reads it, where a hash cost a write
-/// with eight fields, an expiry and a read of eight fields.
+/// The lock's value is the holder: `owner\nWQ\nttl\nacquired_at\nwho`, where `who` is the
+/// client's `pid\nhost\nclient` (the host without newlines, the client name last so it may hold
+/// any byte), and `W` and `Q` are flags, `0` or `1`: `W` is set while someone waits, so that
+/// the release announces itself, and `Q` when the grant is counted in its client's set of held
+/// leases (a quota), so that the release takes it out. The `SET NX PX` that takes the lock
+/// writes the whole holder, and the release's one `GET` reads the owner and both flags: where
+/// the metadata and the flag were keys of their own, a grant and its release cost four more
+/// calls. The owner's own scripts know it by the value's first line (owners are 32 hex digits,
+/// never a newline). A value of this layout has a newline two bytes after the first one, with
+/// the flags between; a script changes a value it does not own only when it has that shape, so
+/// a value another client wrote with `SET NX PX` is never rewritten.
 const SHARED: &str = r#"
 -- Removes the FIFO waiters whose queue entries expired by `now` (ms).
 local function prune_waiters(queue, qexp, qinfo, now)
@@ -65,11 +72,11 @@ local function within_quota(held, owner, mh, now)
   redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
   return redis.call('ZSCORE', held, owner) or redis.call('ZCARD', held) < mh
 end
--- The holder metadata string (see above).
-local function meta_value(token, owner, ttl, acquired_at, who)
-  return token .. '\n' .. owner .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
+-- The lock's value (see above), with `flags` the two flag bytes.
+local function meta_value(owner, flags, ttl, acquired_at, who)
+  return owner .. '\n' .. flags .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
 end
--- Its fields: token, owner, ttl, acquired_at, pid, host, client; nil when malformed.
+-- Its fields: owner, flags, ttl, acquired_at, pid, host, client; nil when malformed.
 local function meta_fields(meta)
   local f, pos = {}, 1
   for i = 1, 6 do
@@ -93,12 +100,15 @@ fn with_shared(body: &str) -> Script {
 /// Acquire outside fair mode, advancing the fencing counter in the same step: the script every
 /// uncontended acquisition runs, so it carries only what such a grant needs.
 ///
-/// KEYS: lock, fence, meta, node, wait, limits, held (this client's set of held leases under
-/// the prefix). ARGV: owner, ttl_ms, floor (`0` on one node: see below), the metadata's tail
-/// `acquired_at\npid\nhost\nclient` (the holder's wall clock in ms and [`who`](super::values::who)).
+/// KEYS: lock, fence, node, limits, held (this client's set of held leases under the prefix).
+/// ARGV: owner, ttl_ms, floor (`0` on one node: see below), the holder's tail
+/// `acquired_at\npid\nhost\nclient` (the holder's wall clock in ms and
+/// [`who`](super::values::who)).
 ///
 /// Replies as [`ACQUIRE_FAIR`]. The script defines no functions: a Lua closure is created on
 /// every call of a script whose body defines it, and the uncontended path pays for each one.
+/// An uncontended grant is four calls: the node id, the limits, the `SET NX PX GET` that takes
+/// the lock and writes its holder, and the counter.
 ///
 /// Tokens:
 /// - **Redlock** passes the client's clock in µs as the floor, so that healthy nodes answer
@@ -113,6 +123,11 @@ fn with_shared(body: &str) -> Script {
 ///   server's clock does not step back across the restart, a counter rebuilt from it starts
 ///   above everything granted before.
 ///
+/// The token is not kept in the lock's value: only a grant, a handoff and a forced release
+/// (which deletes the lock) move the counter, so while the lock is held the counter is its
+/// holder's token (on Redlock, raised to the lease's token on a majority), and what needs the
+/// token reads the counter.
+///
 /// Taking the lock and reading who held it are one `SET NX PX GET`, which needs Redis 7.0;
 /// older servers get a clear error instead. A new node's id is its clock at the first grant.
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_SOURCE));
@@ -122,15 +137,15 @@ pub(crate) const ACQUIRE_SOURCE: &str = r#"
 if not redis.REDIS_VERSION_NUM then
   return redis.error_reply('fencelock needs Redis 7.0 or later')
 end
-local node = redis.call('GET', KEYS[4])
+local node = redis.call('GET', KEYS[3])
 if not node then
   local t = redis.call('TIME')
   node = t[1] .. '.' .. t[2]
-  redis.call('SET', KEYS[4], node)
+  redis.call('SET', KEYS[3], node)
 end
 local owner, ttl = ARGV[1], ARGV[2]
 local quota_now
-local lim = redis.call('GET', KEYS[6])
+local lim = redis.call('GET', KEYS[4])
 if lim then
   local mt, mh = string.match(lim, '^(%d+) (%d+)$')
   mt, mh = tonumber(mt) or 0, tonumber(mh) or 0
@@ -140,35 +155,44 @@ if lim then
   if mh > 0 then
     local t = redis.call('TIME')
     quota_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', quota_now)
-    if not (redis.call('ZSCORE', KEYS[7], owner) or redis.call('ZCARD', KEYS[7]) < mh) then
-      local first = redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')
+    redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', quota_now)
+    if not (redis.call('ZSCORE', KEYS[5], owner) or redis.call('ZCARD', KEYS[5]) < mh) then
+      local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
       return {3, math.max(1, tonumber(first[2]) - quota_now), node, mh}
     end
   end
 end
-local cur = redis.call('SET', KEYS[1], owner, 'NX', 'PX', ttl, 'GET')
-if cur and cur ~= owner then
-  -- Refused: the flag lasts as the lock, so its release announces itself.
-  local meta = redis.call('GET', KEYS[3])
+local mine = owner .. '\n'
+local counted = quota_now and '1' or '0'
+local cur = redis.call('SET', KEYS[1], mine .. '0' .. counted .. '\n' .. ttl .. '\n' .. ARGV[4],
+  'NX', 'PX', ttl, 'GET')
+if cur and string.sub(cur, 1, #mine) ~= mine then
+  -- Refused: the holder's wait flag goes up, so its release announces itself. A value not in
+  -- this layout (another client's, or an older layout's bare owner) is left as it is: its
+  -- holder could not release it otherwise.
   local pttl = redis.call('PTTL', KEYS[1])
-  if meta and pttl > 0 then
-    redis.call('SET', KEYS[5], '1', 'PX', pttl)
+  local nl = string.find(cur, '\n', 1, true)
+  if nl and string.byte(cur, nl + 1) == 48 and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
   end
-  return {0, pttl, node, cur, meta}
+  return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
 end
 if quota_now then
-  redis.call('ZADD', KEYS[7], quota_now + tonumber(ttl), owner)
-  if redis.call('PTTL', KEYS[7]) < tonumber(ttl) then
-    redis.call('PEXPIRE', KEYS[7], ttl)
+  redis.call('ZADD', KEYS[5], quota_now + tonumber(ttl), owner)
+  if redis.call('PTTL', KEYS[5]) < tonumber(ttl) then
+    redis.call('PEXPIRE', KEYS[5], ttl)
   end
 end
 if cur then
-  -- A retried attempt whose answer was lost: the grant it already has, refreshed.
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('PEXPIRE', KEYS[3], ttl)
-  local meta = redis.call('GET', KEYS[3])
-  return {1, meta and string.match(meta, '^(%d+)') or redis.call('GET', KEYS[2]) or '0', node}
+  -- A retried attempt whose answer was lost: the grant it already has, refreshed (and marked
+  -- as counted, if a quota came since).
+  if quota_now and string.byte(cur, #mine + 2) ~= 49 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
+      'PX', ttl)
+  else
+    redis.call('PEXPIRE', KEYS[1], ttl)
+  end
+  return {1, redis.call('GET', KEYS[2]) or '0', node}
 end
 local s = ARGV[3]
 if s == '0' then
@@ -187,32 +211,32 @@ else
     redis.call('SET', KEYS[2], s)
   end
 end
-redis.call('SET', KEYS[3], s .. '\n' .. owner .. '\n' .. ttl .. '\n' .. ARGV[4], 'PX', ttl)
 return {1, s, node}
 "#;
 
 /// Acquire in fair (FIFO) mode, advancing the fencing counter in the same step.
 ///
-/// KEYS: lock, fence, meta, node, wait, queue, qexp, qseq, qinfo, limits, held (this client's
-/// set of held leases under the prefix).
+/// KEYS: lock, fence, node, queue, qexp, qseq, qinfo, limits, held (this client's set of held
+/// leases under the prefix).
 /// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, now_ms (holder's
 /// wall clock), who (`pid\nhost\nclient`), the queue entry's ttl_ms, the client's own
 /// wake-up channel (where a release tells this waiter it was handed the lock), the waiter's
 /// place in the queue (0: after every waiter so far, numbered by `qseq`; Redlock passes the
 /// acquisition's start in µs, so that every node orders the waiters alike).
 ///
-/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, meta}` when held,
+/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, counter}` when held
+/// (`holder`: the lock's value, see [`SHARED`]; `counter`: the holder's token),
 /// `{2, 0, node_id, max_ttl_ms}` when the TTL is above the stored cap and `{3, retry_ms,
 /// node_id, max_held}` when the client holds its quota (`retry_ms`: until its first lease
 /// expires). The limits are one `GET` of the `limits` key, and nothing more when it is absent;
 /// with a quota, every grant is counted in the client's `held` set (owner -> expiry). The
-/// metadata keeps the lease TTL for the stuck-lock runbook, which reads the time since the last
-/// renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried attempt
-/// whose answer was lost) refreshes it and returns the token it was granted.
+/// lock's value keeps the lease TTL for the stuck-lock runbook, which reads the time since the
+/// last renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried
+/// attempt whose answer was lost) refreshes it and returns the token it was granted.
 ///
-/// A refused attempt sets the `wait` flag, so the holder's release announces itself; an
-/// uncontended release finds no flag and publishes nothing. The flag expires with the lock
-/// (a waiter retries by then anyway), or with the queue for a fair waiter.
+/// A refused attempt raises the holder's wait flag, so its release announces itself; an
+/// uncontended release finds no flag and publishes nothing. The flag lives as long as the lock
+/// it is part of: a grant to the head of the queue, with waiters behind it, raises its own.
 ///
 /// Tokens are `max(counter + 1, floor)`: with the floor at the current time in microseconds,
 /// a node that restarted empty still hands out tokens above everything it granted before, as
@@ -226,82 +250,87 @@ pub(crate) static ACQUIRE_FAIR: LazyLock<Script> = LazyLock::new(|| {
 if not redis.REDIS_VERSION_NUM then
   return redis.error_reply('fencelock needs Redis 7.0 or later')
 end
-local node = redis.call('GET', KEYS[4])
+local node = redis.call('GET', KEYS[3])
 if not node then
   node = ARGV[4]
-  redis.call('SET', KEYS[4], node)
+  redis.call('SET', KEYS[3], node)
 end
-local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[10]))
+local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[8]))
 if max_ttl > 0 and tonumber(ARGV[2]) > max_ttl then
   return {2, 0, node, max_ttl}
 end
 local quota_now
 if max_held > 0 then
   quota_now = now_ms()
-  if not within_quota(KEYS[11], ARGV[1], max_held, quota_now) then
-    local first = redis.call('ZRANGE', KEYS[11], 0, 0, 'WITHSCORES')
+  if not within_quota(KEYS[9], ARGV[1], max_held, quota_now) then
+    local first = redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')
     return {3, math.max(1, tonumber(first[2]) - quota_now), node, max_held}
   end
 end
--- Refused: the flag lasts as the waiter's queue entry.
-local function held(cur, px)
-  local meta = redis.call('GET', KEYS[3])
+-- Refused: the holder's wait flag goes up (see ACQUIRE).
+local function held(cur)
   local pttl = redis.call('PTTL', KEYS[1])
-  if meta and px > 0 then
-    redis.call('SET', KEYS[5], '1', 'PX', px)
+  local nl = cur and string.find(cur, '\n', 1, true)
+  if nl and string.byte(cur, nl + 1) == 48 and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
   end
-  return {0, pttl, node, cur, meta}
+  return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
 end
 local fair = tonumber(ARGV[7])
+local mine = ARGV[1] .. '\n'
 local cur = redis.call('GET', KEYS[1])
-if cur ~= ARGV[1] then
+local ours = cur and string.sub(cur, 1, #mine) == mine
+local waiting = '0'
+if not ours then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  prune_waiters(KEYS[6], KEYS[7], KEYS[9], now)
-  local head = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
+  prune_waiters(KEYS[4], KEYS[5], KEYS[7], now)
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   if cur or (head and head ~= ARGV[1]) then
-    if not redis.call('ZSCORE', KEYS[6], ARGV[1]) then
+    if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
       local place = ARGV[9]
       if place == '0' then
-        place = redis.call('INCR', KEYS[8])
+        place = redis.call('INCR', KEYS[6])
       end
-      redis.call('ZADD', KEYS[6], place, ARGV[1])
+      redis.call('ZADD', KEYS[4], place, ARGV[1])
     end
-    redis.call('ZADD', KEYS[7], now + fair, ARGV[1])
+    redis.call('ZADD', KEYS[5], now + fair, ARGV[1])
     -- What a release needs to hand the lock straight to this waiter.
-    redis.call('HSET', KEYS[9], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[11]))
+    redis.call('HSET', KEYS[7], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[9]))
     -- Each queue key outlives the entries in it by a window: a PTTL read costs the server
     -- half of what a PEXPIRE write does, so a key is extended only when less is left.
-    for i = 6, 9 do
+    for i = 4, 7 do
       if redis.call('PTTL', KEYS[i]) < 2 * fair then
         redis.call('PEXPIRE', KEYS[i], 3 * fair)
       end
     end
-    return held(cur, 2 * fair)
+    return held(cur)
   end
   if head then
-    redis.call('ZREM', KEYS[6], ARGV[1])
-    redis.call('ZREM', KEYS[7], ARGV[1])
-    redis.call('HDEL', KEYS[9], ARGV[1])
-    if redis.call('ZCARD', KEYS[6]) > 0 then
-      -- The waiters behind stay owed a wake-up by this holder's release.
-      redis.call('SET', KEYS[5], '1', 'PX', 2 * fair)
+    redis.call('ZREM', KEYS[4], ARGV[1])
+    redis.call('ZREM', KEYS[5], ARGV[1])
+    redis.call('HDEL', KEYS[7], ARGV[1])
+    if redis.call('ZCARD', KEYS[4]) > 0 then
+      -- The waiters behind are owed a wake-up by this holder's release.
+      waiting = '1'
     end
   end
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
 if quota_now then
-  count_held(KEYS[11], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
+  count_held(KEYS[9], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
 end
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-  local meta = redis.call('GET', KEYS[3])
-  local tok = meta and string.match(meta, '^(%d+)') or redis.call('GET', KEYS[2]) or '0'
-  return {1, tok, node}
+if ours then
+  if quota_now and string.byte(cur, #mine + 2) ~= 49 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
+      'PX', ARGV[2])
+  else
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  return {1, redis.call('GET', KEYS[2]) or '0', node}
 end
 local s = advance(KEYS[2], tonumber(ARGV[3]))
-redis.call('SET', KEYS[3], meta_value(s, ARGV[1], ARGV[2], ARGV[5], ARGV[6]), 'PX', ARGV[2])
+local flags = waiting .. (quota_now and '1' or '0')
+redis.call('SET', KEYS[1], meta_value(ARGV[1], flags, ARGV[2], ARGV[5], ARGV[6]), 'PX', ARGV[2])
 return {1, s, node}
 "#,
     )
@@ -309,30 +338,37 @@ return {1, s, node}
 
 /// Owner-checked extension of many leases in one call.
 ///
-/// KEYS: limits, held (the client's set of held leases), lock1, meta1, lock2, meta2, ...
+/// KEYS: limits, held (the client's set of held leases), lock1, lock2, ...
 /// ARGV: owner1, ttl1, owner2, ttl2, ...
 /// Reply: one integer per lease, 1 when extended, 0 when not the holder, and minus the cap
 /// (ms) when its TTL is above the stored `max-ttl`: such a renewal is refused, not cut to the
 /// cap, so the expiry never falls short of the validity the client counts. With a quota, each
 /// renewal moves its entry in the `held` set (and adds one for a lease granted before the
-/// quota was set). The time of the last renewal is not stored: the runbook reads it from the
-/// TTL and what is left of it.
+/// quota was set, whose value is then marked as counted). The time of the last renewal is not
+/// stored: the runbook reads it from the TTL and what is left of it.
 pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
 local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[1]))
 local now = max_held > 0 and now_ms()
 local out = {}
-for i = 1, (#KEYS - 2) / 2 do
-  local lock, meta = KEYS[2 * i + 1], KEYS[2 * i + 2]
+for i = 1, #KEYS - 2 do
+  local lock = KEYS[i + 2]
   local owner, ttl = ARGV[2 * i - 1], ARGV[2 * i]
-  if max_ttl > 0 and tonumber(ttl) > max_ttl then
+  local mine = owner .. '\n'
+  local capped = max_ttl > 0 and tonumber(ttl) > max_ttl
+  local cur = not capped and redis.call('GET', lock)
+  if capped then
     out[i] = -max_ttl
-  elseif redis.call('GET', lock) == owner then
-    redis.call('PEXPIRE', lock, ttl)
-    redis.call('PEXPIRE', meta, ttl)
+  elseif cur and string.sub(cur, 1, #mine) == mine then
     if now then
       count_held(KEYS[2], owner, now + tonumber(ttl), ttl)
+    end
+    if now and string.byte(cur, #mine + 2) ~= 49 then
+      redis.call('SET', lock, string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
+        'PX', ttl)
+    else
+      redis.call('PEXPIRE', lock, ttl)
     end
     out[i] = 1
   else
@@ -347,7 +383,7 @@ return out
 /// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
 /// announces the change to waiters.
 ///
-/// KEYS: lock, meta, wait, held (this client's set of held leases). ARGV: owner, the length of
+/// KEYS: lock, held (this client's set of held leases). ARGV: owner, the length of
 /// the prefix, handoff (1: hand the lock to the head of the FIFO queue), keep waiting (1: a
 /// Redlock attempt rolled back on a split vote, whose owner keeps its place in the queue).
 /// Reply: 1 when the lock was this owner's and is now deleted (or handed on).
@@ -357,8 +393,9 @@ return out
 /// every key or argument a call carries costs the server as much to parse as building it
 /// costs the script, and the uncontended release needs none of them.
 ///
-/// The announcement goes out only when someone waits (the `wait` flag a refused attempt or a
-/// queued fair waiter set): an uncontended release is three reads and deletes and publishes
+/// The announcement goes out only when someone waits (the wait flag a refused attempt or a
+/// queued fair waiter raised in the lock's value): an uncontended release is one read and one
+/// delete (and a removal from the `held` set when the grant was counted there) and publishes
 /// nothing, which spares every subscribed client a wake-up. Its payload is the owner at the
 /// head of the FIFO queue (empty without one), so that in fair mode only the waiter that can
 /// win retries. The holder itself is never queued (a grant takes the owner out of the queue),
@@ -389,7 +426,9 @@ local function key(category)
   local plen = tonumber(ARGV[2])
   return string.sub(KEYS[1], 1, plen) .. category .. string.sub(KEYS[1], plen + 6)
 end
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local mine = ARGV[1] .. '\n'
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.sub(cur, 1, #mine) ~= mine then
   if ARGV[4] ~= '1' then
     local queue = key('queue:')
     if redis.call('ZREM', queue, ARGV[1]) == 1 then
@@ -400,10 +439,11 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   end
   return 0
 end
-local waiting = redis.call('DEL', KEYS[3]) == 1
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('ZREM', KEYS[4], ARGV[1])
-if not waiting then
+redis.call('DEL', KEYS[1])
+if string.byte(cur, #mine + 2) == 49 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+if string.byte(cur, #mine + 1) ~= 49 then
   return 1
 end
 local queue, wake = key('queue:'), key('wake:')
@@ -419,6 +459,7 @@ if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   local info = head and redis.call('HGET', qinfo, head)
   local ttl, who, channel, held
+  local counted = '0'
   if info then
     ttl, who, channel, held = cmsgpack.unpack(info)
     local limits = string.sub(KEYS[1], 1, tonumber(ARGV[2])) .. 'limits'
@@ -428,22 +469,19 @@ if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
       info = nil
     elseif max_held > 0 then
       count_held(held, head, now + tonumber(ttl), ttl)
+      counted = '1'
     end
   end
   if info then
     local left = tonumber(redis.call('ZSCORE', qexp, head)) - now
     local px = math.min(tonumber(ttl), left)
     local s = advance(key('fence:'), tonumber(t[1]) * 1000000 + tonumber(t[2]))
-    redis.call('SET', KEYS[1], head, 'PX', px)
-    redis.call('SET', KEYS[2], meta_value(s, head, ttl, now, who), 'PX', px)
     redis.call('ZREM', queue, head)
     redis.call('ZREM', qexp, head)
     redis.call('HDEL', qinfo, head)
-    local rest = redis.call('PTTL', queue)
-    if rest > 0 then
-      -- The waiters behind stay owed a wake-up by the new holder's release.
-      redis.call('SET', KEYS[3], '1', 'PX', rest)
-    end
+    -- The waiters behind are owed a wake-up by the new holder's release.
+    local waiting = redis.call('PTTL', queue) > 0 and '1' or '0'
+    redis.call('SET', KEYS[1], meta_value(head, waiting .. counted, ttl, now, who), 'PX', px)
     redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. wake)
     return 1
   end
@@ -471,27 +509,36 @@ return 1
 /// the fencing counter past every token granted so far, appends the audit record and wakes the
 /// waiters, in one step.
 ///
-/// KEYS: lock, meta, fence, queue, audit, wait. ARGV: expected owner (empty: whoever holds it),
-/// floor (0: the server's clock in µs), wake channel, audit max length, then the record's own
-/// fields as name, value pairs.
+/// KEYS: lock, fence, queue, audit. ARGV: expected owner (empty: whoever holds it), floor (0:
+/// the server's clock in µs), wake channel, audit max length, then the record's own fields as
+/// name, value pairs.
 ///
-/// Reply: `{1, counter, old owner, meta or nil, renewed_at (ms) or nil}` when released, `{0}`
-/// when the lock is free or held by another owner. The counter becomes `max(counter + 1,
-/// floor)`, as a grant would make it, so the next grant's token is above it. The record gets
-/// the old holder's fields from the metadata (only if it belongs to the owner being deleted),
-/// its last renewal read from the TTL and what was left of it, and the new counter.
+/// Reply: `{1, counter, old owner, old value, renewed_at (ms) or nil, old counter or nil}` when
+/// released, `{0}` when the lock is free or held by another owner. The counter becomes
+/// `max(counter + 1, floor)`, as a grant would make it, so the next grant's token is above it.
+/// The record gets the old holder's fields from the lock's value, its token from the counter
+/// before the advance (the holder's, see [`ACQUIRE`]), its last renewal read from the TTL and
+/// what was left of it, and the new counter.
 pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_shared(
         r#"
 local cur = redis.call('GET', KEYS[1])
-if not cur or (ARGV[1] ~= '' and cur ~= ARGV[1]) then
+if not cur then
+  return {0}
+end
+-- A value of this layout starts with the owner and its flags (see SHARED); any other is a
+-- bare owner, whoever wrote it.
+local nl = string.find(cur, '\n', 1, true)
+local ours = nl and string.byte(cur, nl + 3) == 10
+local owner = ours and string.sub(cur, 1, nl - 1) or cur
+if ARGV[1] ~= '' and owner ~= ARGV[1] then
   return {0}
 end
 -- The release and its audit record happen together or not at all: scripts are not rolled
 -- back, so a command the caller's ACL denies must be found before the first write.
 if redis.acl_check_cmd then
-  local writes = {{'XADD', KEYS[5], '*', 'f', 'v'}, {'SET', KEYS[3], '1', 'GET'},
-    {'DEL', KEYS[1], KEYS[2], KEYS[6]}, {'PUBLISH', ARGV[3], ''}}
+  local writes = {{'XADD', KEYS[4], '*', 'f', 'v'}, {'SET', KEYS[2], '1', 'GET'},
+    {'DEL', KEYS[1]}, {'PUBLISH', ARGV[3], ''}}
   for _, c in ipairs(writes) do
     if not redis.acl_check_cmd(unpack(c)) then
       return redis.error_reply('NOPERM this user may not run ' .. c[1] .. ' on ' .. c[2] ..
@@ -499,26 +546,26 @@ if redis.acl_check_cmd then
     end
   end
 end
-local meta = redis.call('GET', KEYS[2])
 local pttl = redis.call('PTTL', KEYS[1])
+local token = redis.call('GET', KEYS[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local s = advance(KEYS[3], tonumber(ARGV[2]))
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[6])
+local s = advance(KEYS[2], tonumber(ARGV[2]))
+redis.call('DEL', KEYS[1])
 local fields = {}
 for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 fields[#fields + 1] = 'owner'
-fields[#fields + 1] = cur
-local m = meta and meta_fields(meta)
+fields[#fields + 1] = owner
+local m = ours and meta_fields(cur)
 local renewed = false
-if m and m[2] == cur then
+if m then
   renewed = now
   if pttl > 0 and tonumber(m[3]) then
     renewed = now - (tonumber(m[3]) - pttl)
   end
   renewed = string.format('%.0f', renewed)
-  local record = {{'token', m[1]}, {'holder_host', m[6]}, {'pid', m[5]}, {'client', m[7]},
-    {'acquired_at', m[4]}, {'renewed_at', renewed}, {'ttl', m[3]}}
+  local record = {{'token', token or '0'}, {'holder_host', m[6]}, {'pid', m[5]},
+    {'client', m[7]}, {'acquired_at', m[4]}, {'renewed_at', renewed}, {'ttl', m[3]}}
   for _, kv in ipairs(record) do
     fields[#fields + 1] = kv[1]
     fields[#fields + 1] = kv[2]
@@ -526,10 +573,10 @@ if m and m[2] == cur then
 end
 fields[#fields + 1] = 'counter'
 fields[#fields + 1] = s
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', unpack(fields))
-local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', unpack(fields))
+local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 redis.call('PUBLISH', ARGV[3], head or '')
-return {1, s, cur, meta or false, renewed}
+return {1, s, owner, cur, renewed, token}
 "#,
     )
 });

@@ -57,20 +57,20 @@ pub(super) fn who(meta: &HolderMeta) -> String {
     )
 }
 
-/// Builds a holder from the current lock value, its PTTL and the metadata string
-/// (`token\nowner\nttl\nacquired_at\npid\nhost\nclient`, see the scripts), if the reply has one.
-pub(super) fn holder_from(owner: String, pttl: Option<Duration>, meta: Option<&Value>) -> Holder {
-    let mut h = Holder::bare(owner);
+/// Builds a holder from the lock's value (`owner\nWQ\nttl\nacquired_at\npid\nhost\nclient`, see
+/// the scripts, or a bare owner), its PTTL and the fencing counter, which is the holder's token
+/// while it holds the lock.
+///
+/// A value of any other shape (another client's `SET NX PX`) is a bare owner, shown whole.
+pub(super) fn holder_from(value: &str, pttl: Option<Duration>, counter: Option<u64>) -> Holder {
+    let f: Vec<&str> = value.splitn(7, '\n').collect();
+    let layout = f.len() == 7 && f[1].len() == 2 && f[1].bytes().all(|b| b == b'0' || b == b'1');
+    let mut h = Holder::bare(if layout { f[0] } else { value }.to_owned());
     h.ttl_left = pttl;
-    let Some(text) = meta.and_then(as_string) else {
-        return h;
-    };
-    let f: Vec<&str> = text.splitn(7, '\n').collect();
-    // Metadata written by another owner (a stale value) must not be attributed to this one.
-    if f.len() != 7 || f[1] != h.owner {
+    h.token = counter.map(FencingToken::new);
+    if !layout {
         return h;
     }
-    h.token = f[0].parse().ok().map(FencingToken::new);
     h.ttl = f[2].parse().ok().map(Duration::from_millis);
     h.acquired_at = f[3].parse().ok().map(from_unix_millis);
     h.pid = f[4].parse().ok();
@@ -89,18 +89,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn holder_metadata_round_trips_and_is_never_misattributed() {
+    fn holder_metadata_round_trips() {
         let meta = HolderMeta {
             host: "box\n1".to_owned(),
             pid: 42,
             client: "billing\nnightly".to_owned(),
         };
-        let text = format!("17\nabc\n30000\n1700000000000\n{}", who(&meta));
-        let h = holder_from(
-            "abc".to_owned(),
-            Some(Duration::from_secs(20)),
-            Some(&Value::BulkString(text.clone().into_bytes())),
-        );
+        let text = format!("abc\n10\n30000\n1700000000000\n{}", who(&meta));
+        let h = holder_from(&text, Some(Duration::from_secs(20)), Some(17));
+        assert_eq!(h.owner, "abc");
         assert_eq!(h.token, Some(FencingToken::new(17)));
         assert_eq!(h.ttl, Some(Duration::from_secs(30)));
         assert_eq!(h.acquired_at, Some(from_unix_millis(1_700_000_000_000)));
@@ -115,20 +112,11 @@ mod tests {
             ago >= Duration::from_secs(10) && ago < Duration::from_secs(11),
             "{ago:?}"
         );
-        // A value left by another owner, or a malformed one, gives a bare holder.
-        for other in [text.as_str(), "17\nabc\n30000"] {
-            let h = holder_from(
-                "xyz".to_owned(),
-                None,
-                Some(&Value::BulkString(other.into())),
-            );
+        // A bare owner (an older layout's value, another client's) is shown whole.
+        for bare in ["abc", "abc\n00\n30000", "evil\nxy\n1\n2\n3\n4\n5"] {
+            let h = holder_from(bare, None, None);
+            assert_eq!(h.owner, bare);
             assert_eq!((h.token, h.host, h.renewed_at), (None, None, None));
         }
-        let h = holder_from(
-            "abc".to_owned(),
-            None,
-            Some(&Value::BulkString("17\nabc".into())),
-        );
-        assert_eq!(h.token, None);
     }
 }
