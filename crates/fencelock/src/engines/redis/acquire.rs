@@ -28,7 +28,7 @@ use redis::Value;
 use super::keys::Keys;
 use super::node::{Node, NodeResult};
 use super::release::Release;
-use super::values::{as_i64, as_string, as_u64, holder_from, ms, pttl_of, who};
+use super::values::{as_i64, as_string, as_u64, holder_from, holder_value, ms, pttl_of, who};
 use super::votes::errors_text;
 use super::{scripts, RedisEngine};
 use crate::core::engine::{AcquireRequest, Attempt, FairQueue};
@@ -83,7 +83,7 @@ impl RedisEngine {
         req: &AcquireRequest,
         fair: Option<(Duration, SystemTime)>,
         keys: &Keys,
-        (floor, tail): (u64, &str),
+        (floor, value): (u64, &str),
         limit: Duration,
     ) -> NodeResult<NodeAttempt> {
         let inv = match fair {
@@ -97,7 +97,7 @@ impl RedisEngine {
                     .arg(&req.owner)
                     .arg(ms(req.ttl))
                     .arg(floor)
-                    .arg(tail);
+                    .arg(value);
                 inv
             }
             Some((window, since)) => {
@@ -172,10 +172,10 @@ impl RedisEngine {
             .subscribe_as(&req.name, &req.owner, self.quorum, fair.is_some());
         let limit = self.node_timeout(req.ttl);
         let floor = self.floor();
-        let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&req.meta));
+        let value = holder_value(&req.owner, req.ttl, SystemTime::now(), &req.meta);
         let granted = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(_));
         let answers = self
-            .ask(|n| self.acquire_on(n, req, fair, &keys, (floor, &tail), limit))
+            .ask(|n| self.acquire_on(n, req, fair, &keys, (floor, &value), limit))
             .await
             .only_votes();
 

@@ -83,6 +83,21 @@ impl Node {
         self.bounded(inv.invoke_async::<T>(&mut conn), limit).await
     }
 
+    /// [`run`](Self::run), as a future that owns all it needs, so that it can finish on its
+    /// own after its caller stopped waiting for it.
+    pub(super) fn run_owned<T>(
+        &self,
+        inv: redis::ScriptInvocation<'static>,
+        limit: Duration,
+    ) -> impl std::future::Future<Output = NodeResult<T>> + Send + 'static
+    where
+        T: redis::FromRedisValue + Send + 'static,
+    {
+        let mut conn = self.conn.clone();
+        let (kind, addr) = (self.kind, self.addr.clone());
+        async move { bounded(kind, &addr, inv.invoke_async::<T>(&mut conn), limit).await }
+    }
+
     /// Runs one command with a deadline; errors become text naming the node.
     pub(super) async fn query<T: redis::FromRedisValue>(
         &self,
@@ -104,47 +119,12 @@ impl Node {
         self.bounded(pipe.query_async::<T>(&mut conn), limit).await
     }
 
-    /// Waits for one request to this node with a deadline; errors become text naming the node.
     async fn bounded<T>(
         &self,
         request: impl std::future::Future<Output = redis::RedisResult<T>>,
         limit: Duration,
     ) -> NodeResult<T> {
-        let answer = tokio::time::timeout(limit, request).await;
-        // Reached: the node answered, if only with an error of its own (a script's refusal).
-        // Not reached: no connection, a dropped one, no answer in time, or credentials
-        // refused, none of which the other nodes' answers make visible while a quorum holds.
-        // `addr` is host:port, never the URL's password.
-        let reached = match &answer {
-            Ok(Ok(_)) => true,
-            Ok(Err(e)) => e.code().is_some() && !is_auth_failure(e),
-            Err(_) => false,
-        };
-        crate::core::metrics::node_answered(self.kind, &self.addr, reached);
-        match answer {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) if is_auth_failure(&e) => Err(format!(
-                "{}: authentication failed ({e}); check the user and password",
-                self.addr
-            )),
-            Ok(Err(e)) => match scripting_refusal(&e) {
-                Some(why) => Err(format!("{}: {why}", self.addr)),
-                None if e.code() == Some("NOPERM") || e.to_string().starts_with("NoPerm") => {
-                    Err(format!(
-                        "{}: {e}; the ACL user may not do this under this prefix (`fencelock acl` \
-                         prints the user fencelock needs, `fencelock doctor` names what is \
-                         missing)",
-                        self.addr
-                    ))
-                }
-                None => Err(format!("{}: {e}", self.addr)),
-            },
-            Err(_) => Err(format!(
-                "{}: no answer within {}",
-                self.addr,
-                crate::core::options::display_duration(limit)
-            )),
-        }
+        bounded(self.kind, &self.addr, request, limit).await
     }
 
     /// Whether the node refuses this client's credentials: found by one PING, so that a wrong
@@ -178,6 +158,51 @@ impl Node {
     pub(super) fn votes(&self) -> bool {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.sit_out_until.is_none_or(|t| Instant::now() >= t)
+    }
+}
+
+/// Waits for one request to the node at `addr` with a deadline; errors become text naming the
+/// node.
+async fn bounded<T>(
+    kind: &'static str,
+    addr: &str,
+    request: impl std::future::Future<Output = redis::RedisResult<T>>,
+    limit: Duration,
+) -> NodeResult<T> {
+    let answer = tokio::time::timeout(limit, request).await;
+    // Reached: the node answered, if only with an error of its own (a script's refusal).
+    // Not reached: no connection, a dropped one, no answer in time, or credentials
+    // refused, none of which the other nodes' answers make visible while a quorum holds.
+    // `addr` is host:port, never the URL's password.
+    let reached = match &answer {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => e.code().is_some() && !is_auth_failure(e),
+        Err(_) => false,
+    };
+    crate::core::metrics::node_answered(kind, addr, reached);
+    match answer {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if is_auth_failure(&e) => Err(format!(
+            "{}: authentication failed ({e}); check the user and password",
+            addr
+        )),
+        Ok(Err(e)) => match scripting_refusal(&e) {
+            Some(why) => Err(format!("{}: {why}", addr)),
+            None if e.code() == Some("NOPERM") || e.to_string().starts_with("NoPerm") => {
+                Err(format!(
+                    "{}: {e}; the ACL user may not do this under this prefix (`fencelock acl` \
+                     prints the user fencelock needs, `fencelock doctor` names what is \
+                     missing)",
+                    addr
+                ))
+            }
+            None => Err(format!("{}: {e}", addr)),
+        },
+        Err(_) => Err(format!(
+            "{}: no answer within {}",
+            addr,
+            crate::core::options::display_duration(limit)
+        )),
     }
 }
 

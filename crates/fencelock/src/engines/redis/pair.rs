@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime};
 use super::keys::{self, Keys};
 use super::scripts;
 use super::url::RedisUrl;
-use super::values::{ms, unix_micros, who};
-use crate::core::holder::{unix_millis, HolderMeta};
+use super::values::{holder_value, ms, unix_micros};
+use crate::core::holder::HolderMeta;
 
 /// One script call: the script's text, its `KEYS` and its `ARGV`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,7 +54,7 @@ impl RedisUrl {
         let one_node = self.nodes.len() == 1;
         let floor = if one_node { 0 } else { unix_micros() };
         let meta = HolderMeta::current(client.to_owned());
-        let tail = format!("{}\n{}", unix_millis(SystemTime::now()), who(&meta));
+        let value = holder_value(owner, ttl, SystemTime::now(), &meta);
         RedisPairCalls {
             acquire: RedisScriptCall {
                 source: scripts::ACQUIRE_SOURCE.to_owned(),
@@ -69,7 +69,7 @@ impl RedisUrl {
                     owner.to_owned(),
                     ms(ttl).to_string(),
                     floor.to_string(),
-                    tail,
+                    value,
                 ],
             },
             release: RedisScriptCall {

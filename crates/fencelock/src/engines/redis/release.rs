@@ -23,14 +23,16 @@ pub(super) enum Release {
 }
 
 impl RedisEngine {
-    async fn release_on(
+    /// The release on one node, as a future that owns what it needs: a release the caller
+    /// stopped waiting for still reaches its node (see [`RedisEngine::ask_until`]).
+    fn release_on(
         &self,
         node: &Node,
         keys: &Keys,
         owner: &str,
         release: Release,
         limit: Duration,
-    ) -> NodeResult<bool> {
+    ) -> impl Future<Output = NodeResult<bool>> + Send + 'static {
         let mut inv = scripts::RELEASE.prepare_invoke();
         inv.key(&keys.lock)
             .key(&self.held_key)
@@ -38,8 +40,8 @@ impl RedisEngine {
             .arg(self.prefix.len())
             .arg(u8::from(self.one_node()))
             .arg(u8::from(release == Release::KeepWaiting));
-        let n: i64 = node.run(inv, limit).await?;
-        Ok(n == 1)
+        let call = node.run_owned::<i64>(inv, limit);
+        async move { Ok(call.await? == 1) }
     }
 
     /// Whether each node released `owner`'s key.

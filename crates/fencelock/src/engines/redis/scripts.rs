@@ -101,9 +101,9 @@ fn with_shared(body: &str) -> Script {
 /// uncontended acquisition runs, so it carries only what such a grant needs.
 ///
 /// KEYS: lock, fence, node, limits, held (this client's set of held leases under the prefix).
-/// ARGV: owner, ttl_ms, floor (`0` on one node: see below), the holder's tail
-/// `acquired_at\npid\nhost\nclient` (the holder's wall clock in ms and
-/// [`who`](super::values::who)).
+/// ARGV: owner, ttl_ms, floor (`0` on one node: see below), the lock's value with both flags
+/// down ([`holder_value`](super::values::holder_value)), built by the client: a value the
+/// script assembled would cost it a string made and hashed on every call.
 ///
 /// Replies as [`ACQUIRE_FAIR`]. The script defines no functions: a Lua closure is created on
 /// every call of a script whose body defines it, and the uncontended path pays for each one.
@@ -143,7 +143,7 @@ if not node then
   node = t[1] .. '.' .. t[2]
   redis.call('SET', KEYS[3], node)
 end
-local owner, ttl = ARGV[1], ARGV[2]
+local owner, ttl, value = ARGV[1], ARGV[2], ARGV[4]
 local quota_now
 local lim = redis.call('GET', KEYS[4])
 if lim then
@@ -160,13 +160,14 @@ if lim then
       local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
       return {3, math.max(1, tonumber(first[2]) - quota_now), node, mh}
     end
+    -- The grant is counted: its release takes it out of the set.
+    value = string.sub(value, 1, #owner + 2) .. '1' .. string.sub(value, #owner + 4)
   end
 end
-local mine = owner .. '\n'
-local counted = quota_now and '1' or '0'
-local cur = redis.call('SET', KEYS[1], mine .. '0' .. counted .. '\n' .. ttl .. '\n' .. ARGV[4],
-  'NX', 'PX', ttl, 'GET')
-if cur and string.sub(cur, 1, #mine) ~= mine then
+local cur = redis.call('SET', KEYS[1], value, 'NX', 'PX', ttl, 'GET')
+-- The owner's own value starts with the owner and a newline: `find` tells it without making
+-- a string, where comparing a prefix would make one on every call.
+if cur and (string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1) ~= 10) then
   -- Refused: the holder's wait flag goes up, so its release announces itself. A value not in
   -- this layout (another client's, or an older layout's bare owner) is left as it is: its
   -- holder could not release it otherwise.
@@ -186,8 +187,8 @@ end
 if cur then
   -- A retried attempt whose answer was lost: the grant it already has, refreshed (and marked
   -- as counted, if a quota came since).
-  if quota_now and string.byte(cur, #mine + 2) ~= 49 then
-    redis.call('SET', KEYS[1], string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
+  if quota_now and string.byte(cur, #owner + 3) ~= 49 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, #owner + 2) .. '1' .. string.sub(cur, #owner + 4),
       'PX', ttl)
   else
     redis.call('PEXPIRE', KEYS[1], ttl)
@@ -196,13 +197,12 @@ if cur then
 end
 local s = ARGV[3]
 if s == '0' then
+  -- A number, which the reply carries as an integer: exact, as tokens stay below 2^53.
   s = redis.call('INCR', KEYS[2])
   if s == 1 then
     local t = redis.call('TIME')
     s = t[1] .. string.format('%06d', tonumber(t[2]))
     redis.call('SET', KEYS[2], s)
-  else
-    s = string.format('%.0f', s)
   end
 else
   local old = tonumber(redis.call('SET', KEYS[2], s, 'GET') or '0')
@@ -426,9 +426,10 @@ local function key(category)
   local plen = tonumber(ARGV[2])
   return string.sub(KEYS[1], 1, plen) .. category .. string.sub(KEYS[1], plen + 6)
 end
-local mine = ARGV[1] .. '\n'
+local owner = ARGV[1]
 local cur = redis.call('GET', KEYS[1])
-if not cur or string.sub(cur, 1, #mine) ~= mine then
+-- The owner's value starts with the owner and a newline (see ACQUIRE for `find`).
+if not cur or string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1) ~= 10 then
   if ARGV[4] ~= '1' then
     local queue = key('queue:')
     if redis.call('ZREM', queue, ARGV[1]) == 1 then
@@ -440,10 +441,10 @@ if not cur or string.sub(cur, 1, #mine) ~= mine then
   return 0
 end
 redis.call('DEL', KEYS[1])
-if string.byte(cur, #mine + 2) == 49 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
+if string.byte(cur, #owner + 3) == 49 then
+  redis.call('ZREM', KEYS[2], owner)
 end
-if string.byte(cur, #mine + 1) ~= 49 then
+if string.byte(cur, #owner + 2) ~= 49 then
   return 1
 end
 local queue, wake = key('queue:'), key('wake:')

@@ -57,6 +57,22 @@ pub(super) fn who(meta: &HolderMeta) -> String {
     )
 }
 
+/// The lock's value for a grant to `owner` with both flags down:
+/// `owner\n00\nttl_ms\nacquired_at_ms\npid\nhost\nclient`.
+pub(super) fn holder_value(
+    owner: &str,
+    ttl: Duration,
+    acquired_at: SystemTime,
+    meta: &HolderMeta,
+) -> String {
+    format!(
+        "{owner}\n00\n{}\n{}\n{}",
+        ms(ttl),
+        crate::core::holder::unix_millis(acquired_at),
+        who(meta)
+    )
+}
+
 /// Builds a holder from the lock's value (`owner\nWQ\nttl\nacquired_at\npid\nhost\nclient`, see
 /// the scripts, or a bare owner), its PTTL and the fencing counter, which is the holder's token
 /// while it holds the lock.
@@ -95,7 +111,16 @@ mod tests {
             pid: 42,
             client: "billing\nnightly".to_owned(),
         };
-        let text = format!("abc\n10\n30000\n1700000000000\n{}", who(&meta));
+        let text = holder_value(
+            "abc",
+            Duration::from_secs(30),
+            from_unix_millis(1_700_000_000_000),
+            &meta,
+        );
+        assert!(
+            text.starts_with("abc\n00\n30000\n1700000000000\n42\n"),
+            "{text:?}"
+        );
         let h = holder_from(&text, Some(Duration::from_secs(20)), Some(17));
         assert_eq!(h.owner, "abc");
         assert_eq!(h.token, Some(FencingToken::new(17)));

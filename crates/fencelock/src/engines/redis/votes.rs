@@ -38,15 +38,19 @@ pub(super) enum Verdict {
 impl RedisEngine {
     /// Asks every node at once and stops waiting once `decided` holds for the answers so far
     /// (or every node answered): a hung node then costs nothing once the others have settled
-    /// the outcome. The requests to the nodes still waiting are abandoned and those nodes
-    /// count as not having answered: what they hold expires with its TTL.
+    /// the outcome, and the nodes still waiting count as not having answered. Their requests
+    /// go on in a task of their own until they end or time out: a request may take more than
+    /// one round trip (the driver loads a script a node does not know, as after its restart,
+    /// and sends it again), and one abandoned halfway would leave a healthy node holding a
+    /// released lock until its TTL ended.
     pub(super) async fn ask_until<'a, T, Fut>(
         &'a self,
         ask: impl FnMut(&'a Node) -> Fut,
         decided: impl Fn(&[&T]) -> bool,
     ) -> Tally<'a, T>
     where
-        Fut: std::future::Future<Output = NodeResult<T>>,
+        T: Send + 'static,
+        Fut: std::future::Future<Output = NodeResult<T>> + Send + 'static,
     {
         use futures_util::stream::{FuturesUnordered, StreamExt};
         let mut pending: FuturesUnordered<_> = self
@@ -66,6 +70,9 @@ impl RedisEngine {
             if decided(&ok) {
                 break;
             }
+        }
+        if !pending.is_empty() {
+            tokio::spawn(async move { while pending.next().await.is_some() {} });
         }
         Tally {
             engine: self,
