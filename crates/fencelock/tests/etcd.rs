@@ -45,15 +45,22 @@ fn waiter_keys(c: &EtcdCluster, name: &str) -> Vec<String> {
 fn first_line(child: &mut Child, limit: Duration) -> Option<String> {
     let stdout = child.stdout.take()?;
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
+    std::thread::spawn(move || read_first_line(stdout, &tx));
     rx.recv_timeout(limit)
         .ok()
         .filter(|l| !l.is_empty())
         .map(|l| l.trim().to_owned())
+}
+
+/// Sends the first line of `stdout`, then reads the rest until the process ends. A pipe whose
+/// reader is gone kills etcdctl with SIGPIPE at its next write (it writes after the key it
+/// printed), and a killed etcdctl leaves its lock behind for its lease's 60 s.
+fn read_first_line(stdout: std::process::ChildStdout, tx: &std::sync::mpsc::Sender<String>) {
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    let _ = tx.send(line);
+    let _ = std::io::copy(&mut reader, &mut std::io::sink());
 }
 
 fn end(mut child: Child) {
@@ -174,11 +181,7 @@ async fn etcdctl_lock_and_fencelock_exclude_each_other() {
     let mut ctl = c.ctl_command(&["lock", &name]).spawn().unwrap();
     let stdout = ctl.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
+    std::thread::spawn(move || read_first_line(stdout, &tx));
     assert!(
         rx.recv_timeout(Duration::from_millis(700)).is_err(),
         "etcdctl lock got the lock while fencelock held it"
