@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `P lock: N` | string | the holder, `owner\nWQ\nttl_ms\nacquired_at_ms\npid\nhost\nclient`, set with `SET key holder NX PX ttl`; `W` is `1` while someone waits (its release announces itself), `Q` is `1` when the grant is counted in its client's `held` set |
 //! | `P fence: N` | string | the fencing counter (no expiry); while the lock is held, its holder's token |
-//! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
+//! | `P queue: N`, `P qexp: N`, `P qseq: N`, `P qinfo: N` | zset, zset, string, hash | FIFO waiters: order, entry expiry, sequence, and, on one node, each waiter's TTL and metadata for a release that hands the lock on (fair mode only) |
 //! | `P wake: N` | pub/sub channel | a message on every release that someone waits for |
 //! | `P client: C` | pub/sub channel | the handoffs to the fair waiters of one client (`C`: a random id per client) |
 //! | `P node` | string | a random id the node keeps in memory: it changes when the node loses its data |

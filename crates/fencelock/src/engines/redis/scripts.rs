@@ -295,11 +295,16 @@ if not ours then
       redis.call('ZADD', KEYS[4], place, ARGV[1])
     end
     redis.call('ZADD', KEYS[5], now + fair, ARGV[1])
-    -- What a release needs to hand the lock straight to this waiter.
-    redis.call('HSET', KEYS[7], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[9]))
+    -- What a release needs to hand the lock straight to this waiter: only one node's release
+    -- does (floor 0), as a Redlock grant needs a majority.
+    local last = 6
+    if ARGV[3] == '0' then
+      redis.call('HSET', KEYS[7], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[9]))
+      last = 7
+    end
     -- Each queue key outlives the entries in it by a window: a PTTL read costs the server
     -- half of what a PEXPIRE write does, so a key is extended only when less is left.
-    for i = 4, 7 do
+    for i = 4, last do
       if redis.call('PTTL', KEYS[i]) < 2 * fair then
         redis.call('PEXPIRE', KEYS[i], 3 * fair)
       end
@@ -309,7 +314,9 @@ if not ours then
   if head then
     redis.call('ZREM', KEYS[4], ARGV[1])
     redis.call('ZREM', KEYS[5], ARGV[1])
-    redis.call('HDEL', KEYS[7], ARGV[1])
+    if ARGV[3] == '0' then
+      redis.call('HDEL', KEYS[7], ARGV[1])
+    end
     if redis.call('ZCARD', KEYS[4]) > 0 then
       -- The waiters behind are owed a wake-up by this holder's release.
       waiting = '1'
@@ -434,7 +441,10 @@ if not cur or string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner +
     local queue = key('queue:')
     if redis.call('ZREM', queue, ARGV[1]) == 1 then
       redis.call('ZREM', key('qexp:'), ARGV[1])
-      redis.call('HDEL', key('qinfo:'), ARGV[1])
+      if ARGV[3] == '1' then
+        -- Only one node keeps what a handoff needs (see ACQUIRE_FAIR).
+        redis.call('HDEL', key('qinfo:'), ARGV[1])
+      end
       redis.call('PUBLISH', key('wake:'), redis.call('ZRANGE', queue, 0, 0)[1] or '')
     end
   end
