@@ -439,6 +439,49 @@ async fn warm_holder_of_r(server: &RedisServer) -> (Client, fencelock::Lease) {
     (holder, lease)
 }
 
+/// A waiter that died while queued is passed over by the handoff: its entry, at the head of the
+/// queue and expired, is pruned and the lock goes to the live waiter behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_passes_over_an_expired_queue_head() {
+    let server = RedisServer::start().unwrap();
+    let (holder, first) = warm_holder_of_r(&server).await;
+    let keys = holder.keys_for("r").unwrap();
+    let label = |l: &str| keys.iter().find(|(k, _)| *k == l).unwrap().1.clone();
+    let (queue, qexp) = (label("queue"), label("qexp"));
+    // The live waiter's own next attempt would come 4 s later: only a handoff is faster.
+    let waiter = connect(&server.url()).await;
+    let opts = LockOptions::default()
+        .fair(true)
+        .wait(Duration::from_secs(30))
+        .backoff(Duration::from_secs(4), Duration::from_secs(4));
+    let waiting =
+        tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) });
+    let srv = &server;
+    let q = queue.clone();
+    assert!(wait_until(Duration::from_secs(5), || cli(
+        srv,
+        &["ZCARD", &q]
+    ) == "1"));
+    // Then a dead waiter ahead of it (place 0), whose entry expired long ago: a queued attempt
+    // would have pruned it, and the live waiter makes none before the release.
+    let dead = "0".repeat(32);
+    assert_eq!(cli(&server, &["ZADD", &queue, "0", &dead]), "1");
+    assert_eq!(cli(&server, &["ZADD", &qexp, "1", &dead]), "1");
+    first.release().await.unwrap();
+    let (second, _waiter) = timeout(Duration::from_secs(3), waiting)
+        .await
+        .expect("the live waiter was handed the lock")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        holder.inspect("r").await.unwrap().map(|h| h.owner),
+        Some(second.owner().to_owned())
+    );
+    assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
+    assert_eq!(cli(&server, &["ZSCORE", &qexp, &dead]), "");
+    second.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt() {
     let server = RedisServer::start().unwrap();

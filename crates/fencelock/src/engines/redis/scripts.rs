@@ -458,17 +458,23 @@ if string.byte(cur, #owner + 2) ~= 49 then
   return 1
 end
 local queue, wake = key('queue:'), key('wake:')
+local head = redis.call('ZRANGE', queue, 0, 0)[1]
 -- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
--- the handoff's functions and reads would only cost the release. (ZCARD, not EXISTS: the
--- ACL users fencelock prints already allow it.)
-if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
+-- the handoff's functions and reads would only cost the release.
+if ARGV[3] == '1' and head then
   {SHARED}
   local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  prune_waiters(queue, qexp, qinfo, now)
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  local info = head and redis.call('HGET', qinfo, head)
+  -- The head's entry is read anyway (its expiry cuts the grant's); the queue is pruned only
+  -- when that entry has expired, as the queued attempts prune it too.
+  local left = tonumber(redis.call('ZSCORE', qexp, head) or '0') - now
+  if left <= 0 then
+    prune_waiters(queue, qexp, qinfo, now)
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
+    left = head and tonumber(redis.call('ZSCORE', qexp, head) or '0') - now or 0
+  end
+  local info = head and left > 0 and redis.call('HGET', qinfo, head)
   local ttl, who, channel, held
   local counted = '0'
   if info then
@@ -484,7 +490,6 @@ if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
     end
   end
   if info then
-    local left = tonumber(redis.call('ZSCORE', qexp, head)) - now
     local px = math.min(tonumber(ttl), left)
     local s = advance(key('fence:'), tonumber(t[1]) * 1000000 + tonumber(t[2]))
     redis.call('ZREM', queue, head)
@@ -497,7 +502,7 @@ if ARGV[3] == '1' and redis.call('ZCARD', queue) > 0 then
     return 1
   end
 end
-redis.call('PUBLISH', wake, redis.call('ZRANGE', queue, 0, 0)[1] or '')
+redis.call('PUBLISH', wake, head or '')
 return 1
 "#;
 
