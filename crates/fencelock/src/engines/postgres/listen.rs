@@ -62,6 +62,7 @@ pub(super) async fn listen_for_wakeups(
     shutdown: CancellationToken,
 ) {
     let (listen, unlisten) = (format!("LISTEN {channel}"), format!("UNLISTEN {channel}"));
+    let reconnected = std::sync::atomic::AtomicBool::new(false);
     keep_listening("wake-up listener", shutdown, || async {
         let (client, mut connection) = config.connect(tls.clone()).await?;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -78,8 +79,12 @@ pub(super) async fn listen_for_wakeups(
             }
             Ok(())
         });
-        // Waiters left from before a reconnect need the wake-ups at once.
-        let mut wanted = wakers.anyone_subscribed();
+        // Waiters left from before a reconnect need the wake-ups at once. The first session
+        // waits for a refusal (one made before it connected is kept by `Demand`): an attempt
+        // in flight holds a subscription too, and a client that only takes free locks must not
+        // listen because its first attempt was under way as the session came up.
+        let again = reconnected.swap(true, std::sync::atomic::Ordering::Relaxed);
+        let mut wanted = again && wakers.anyone_subscribed();
         'session: loop {
             while !wanted {
                 tokio::select! {
