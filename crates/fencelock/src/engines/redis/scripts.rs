@@ -16,8 +16,9 @@ use redis::Script;
 /// the metadata and the flag were keys of their own, a grant and its release cost four more
 /// calls. The owner's own scripts know it by the value's first line (owners are 32 hex digits,
 /// never a newline). A value of this layout has a newline two bytes after the first one, with
-/// the flags between; a script changes a value it does not own only when it has that shape, so
-/// a value another client wrote with `SET NX PX` is never rewritten.
+/// two flag bytes, each `0` or `1`, between (the same test the client makes); a script changes
+/// a value it does not own only when it has that shape, so a value another client wrote with
+/// `SET NX PX` is never rewritten.
 const SHARED: &str = r#"
 -- Removes the FIFO waiters whose queue entries expired by `now` (ms).
 local function prune_waiters(queue, qexp, qinfo, now)
@@ -173,7 +174,9 @@ if cur and (string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1
   -- holder could not release it otherwise.
   local pttl = redis.call('PTTL', KEYS[1])
   local nl = string.find(cur, '\n', 1, true)
-  if nl and string.byte(cur, nl + 1) == 48 and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+  local q = nl and string.byte(cur, nl + 2)
+  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
+      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
     redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
   end
   return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
@@ -271,7 +274,9 @@ end
 local function held(cur)
   local pttl = redis.call('PTTL', KEYS[1])
   local nl = cur and string.find(cur, '\n', 1, true)
-  if nl and string.byte(cur, nl + 1) == 48 and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+  local q = nl and string.byte(cur, nl + 2)
+  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
+      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
     redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
   end
   return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
@@ -545,7 +550,9 @@ end
 -- A value of this layout starts with the owner and its flags (see SHARED); any other is a
 -- bare owner, whoever wrote it.
 local nl = string.find(cur, '\n', 1, true)
-local ours = nl and string.byte(cur, nl + 3) == 10
+local w, q = nl and string.byte(cur, nl + 1), nl and string.byte(cur, nl + 2)
+local ours = nl and (w == 48 or w == 49) and (q == 48 or q == 49)
+  and string.byte(cur, nl + 3) == 10
 local owner = ours and string.sub(cur, 1, nl - 1) or cur
 if ARGV[1] ~= '' and owner ~= ARGV[1] then
   return {0}

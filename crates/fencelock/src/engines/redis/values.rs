@@ -74,19 +74,20 @@ pub(super) fn holder_value(
 }
 
 /// Builds a holder from the lock's value (`owner\nWQ\nttl\nacquired_at\npid\nhost\nclient`, see
-/// the scripts, or a bare owner), its PTTL and the fencing counter, which is the holder's token
-/// while it holds the lock.
+/// the scripts), its PTTL and the fencing counter, which is the holder's token while it holds
+/// the lock.
 ///
-/// A value of any other shape (another client's `SET NX PX`) is a bare owner, shown whole.
+/// A value of any other shape (another client's `SET NX PX`) is a bare owner, shown whole and
+/// without a token: the counter is fencelock's, not that holder's.
 pub(super) fn holder_from(value: &str, pttl: Option<Duration>, counter: Option<u64>) -> Holder {
     let f: Vec<&str> = value.splitn(7, '\n').collect();
     let layout = f.len() == 7 && f[1].len() == 2 && f[1].bytes().all(|b| b == b'0' || b == b'1');
     let mut h = Holder::bare(if layout { f[0] } else { value }.to_owned());
     h.ttl_left = pttl;
-    h.token = counter.map(FencingToken::new);
     if !layout {
         return h;
     }
+    h.token = counter.map(FencingToken::new);
     h.ttl = f[2].parse().ok().map(Duration::from_millis);
     h.acquired_at = f[3].parse().ok().map(from_unix_millis);
     h.pid = f[4].parse().ok();
@@ -139,7 +140,7 @@ mod tests {
         );
         // A bare owner (an older layout's value, another client's) is shown whole.
         for bare in ["abc", "abc\n00\n30000", "evil\nxy\n1\n2\n3\n4\n5"] {
-            let h = holder_from(bare, None, None);
+            let h = holder_from(bare, None, Some(5));
             assert_eq!(h.owner, bare);
             assert_eq!((h.token, h.host, h.renewed_at), (None, None, None));
         }
