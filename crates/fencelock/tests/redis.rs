@@ -426,6 +426,15 @@ fn script_calls(server: &RedisServer) -> u64 {
         .sum()
 }
 
+/// Waits until `n` waiters stand in the FIFO queue key `queue`.
+fn await_queued(server: &RedisServer, queue: &str, n: usize) {
+    assert!(
+        wait_until(Duration::from_secs(5), || cli(server, &["ZCARD", queue])
+            == n.to_string()),
+        "{n} waiters never stood in {queue}"
+    );
+}
+
 /// A client holding `r`, after one acquire and release that loaded the scripts, so that counting
 /// calls afterwards counts no first NOSCRIPT try.
 async fn warm_holder_of_r(server: &RedisServer) -> (Client, fencelock::Lease) {
@@ -456,12 +465,7 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
         .backoff(Duration::from_secs(4), Duration::from_secs(4));
     let waiting =
         tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) });
-    let srv = &server;
-    let q = queue.clone();
-    assert!(wait_until(Duration::from_secs(5), || cli(
-        srv,
-        &["ZCARD", &q]
-    ) == "1"));
+    await_queued(&server, &queue, 1);
     // Then a dead waiter ahead of it (place 0), whose entry expired long ago: a queued attempt
     // would have pruned it, and the live waiter makes none before the release.
     let dead = "0".repeat(32);
@@ -501,12 +505,7 @@ async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt
         let lease = waiter.acquire("r", &opts).await.unwrap();
         (lease, waiter)
     });
-    let srv = &server;
-    let q = queue.clone();
-    assert!(wait_until(Duration::from_secs(5), || cli(
-        srv,
-        &["ZCARD", &q]
-    ) == "1"));
+    await_queued(&server, &queue, 1);
     let before = script_calls(&server);
     let first_token = first.token();
     first.release().await.unwrap();
@@ -529,7 +528,7 @@ async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt
     let pttl = |s: &RedisServer| cli(s, &["PTTL", &lock]).parse::<u64>().unwrap();
     assert!(pttl(&server) <= 21_000, "grant expiry {} ms", pttl(&server));
     assert!(second.time_left() < ttl / 2);
-    assert!(wait_until(Duration::from_secs(10), || pttl(srv) > 50_000));
+    assert!(wait_until(Duration::from_secs(10), || pttl(&server) > 50_000));
     assert!(wait_until(Duration::from_secs(5), || second.time_left() > ttl / 2));
     second.release().await.unwrap();
     assert_eq!(cli(&server, &["EXISTS", &lock]), "0");
@@ -566,10 +565,7 @@ async fn handoffs_chain_through_every_queued_fair_waiter() {
             order.lock().unwrap().push(i);
             l.release().await.unwrap();
         }));
-        let (srv, q) = (&server, queue.clone());
-        assert!(wait_until(Duration::from_secs(5), || {
-            cli(srv, &["ZCARD", &q]) == (i + 1).to_string()
-        }));
+        await_queued(&server, &queue, i + 1);
     }
     let before = script_calls(&server);
     first.release().await.unwrap();
