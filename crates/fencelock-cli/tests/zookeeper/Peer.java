@@ -17,6 +17,7 @@ import org.apache.curator.framework.CuratorFrameworkFactory;
 import org.apache.curator.framework.recipes.leader.LeaderLatch;
 import org.apache.curator.framework.recipes.locks.InterProcessMutex;
 import org.apache.curator.retry.RetryNTimes;
+import org.apache.zookeeper.KeeperException;
 
 public class Peer {
     static final Map<String, CountDownLatch> releases = new ConcurrentHashMap<>();
@@ -77,8 +78,15 @@ public class Peer {
                         say("leader " + new LeaderLatch(c, w[1]).getLeader().getId());
                         break;
                     case "children": {
-                        int n = c.checkExists().forPath(w[1]) == null
-                            ? 0 : c.getChildren().forPath(w[1]).size();
+                        // The lock path is a container, which the server deletes within a
+                        // second of its last child: gone before or while it is read, it has
+                        // no children.
+                        int n;
+                        try {
+                            n = c.getChildren().forPath(w[1]).size();
+                        } catch (KeeperException.NoNodeException e) {
+                            n = 0;
+                        }
                         say("children " + n);
                         break;
                     }
