@@ -73,6 +73,25 @@ local function within_quota(held, owner, mh, now)
   redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
   return redis.call('ZSCORE', held, owner) or redis.call('ZCARD', held) < mh
 end
+-- Whether the lock's value `cur` is `owner`'s: it starts with the owner and a newline (`find`
+-- makes no string, where comparing a prefix would).
+local function owns(cur, owner)
+  return cur and string.find(cur, owner, 1, true) == 1 and string.byte(cur, #owner + 1) == 10
+end
+-- `owner`'s value `cur`, marked as counted in its client's set of held leases.
+local function counted_value(cur, owner)
+  return string.sub(cur, 1, #owner + 2) .. '1' .. string.sub(cur, #owner + 4)
+end
+-- Raises the wait flag of a value `cur` another owner holds in `lock`, if it has this layout's
+-- shape and the flag is down (see ACQUIRE, which does the same inline).
+local function raise_wait(lock, cur, pttl)
+  local nl = cur and string.find(cur, '\n', 1, true)
+  local q = nl and string.byte(cur, nl + 2)
+  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
+      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+    redis.call('SET', lock, string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
+  end
+end
 -- The lock's value (see above), with `flags` the two flag bytes.
 local function meta_value(owner, flags, ttl, acquired_at, who)
   return owner .. '\n' .. flags .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
@@ -273,18 +292,12 @@ end
 -- Refused: the holder's wait flag goes up (see ACQUIRE).
 local function held(cur)
   local pttl = redis.call('PTTL', KEYS[1])
-  local nl = cur and string.find(cur, '\n', 1, true)
-  local q = nl and string.byte(cur, nl + 2)
-  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
-      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
-    redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
-  end
+  raise_wait(KEYS[1], cur, pttl)
   return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
 end
 local fair = tonumber(ARGV[7])
-local mine = ARGV[1] .. '\n'
 local cur = redis.call('GET', KEYS[1])
-local ours = cur and string.sub(cur, 1, #mine) == mine
+local ours = owns(cur, ARGV[1])
 local waiting = '0'
 if not ours then
   local t = redis.call('TIME')
@@ -332,9 +345,8 @@ if quota_now then
   count_held(KEYS[9], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
 end
 if ours then
-  if quota_now and string.byte(cur, #mine + 2) ~= 49 then
-    redis.call('SET', KEYS[1], string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
-      'PX', ARGV[2])
+  if quota_now and string.byte(cur, #ARGV[1] + 3) ~= 49 then
+    redis.call('SET', KEYS[1], counted_value(cur, ARGV[1]), 'PX', ARGV[2])
   else
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
   end
@@ -367,18 +379,16 @@ local out = {}
 for i = 1, #KEYS - 2 do
   local lock = KEYS[i + 2]
   local owner, ttl = ARGV[2 * i - 1], ARGV[2 * i]
-  local mine = owner .. '\n'
   local capped = max_ttl > 0 and tonumber(ttl) > max_ttl
   local cur = not capped and redis.call('GET', lock)
   if capped then
     out[i] = -max_ttl
-  elseif cur and string.sub(cur, 1, #mine) == mine then
+  elseif owns(cur, owner) then
     if now then
       count_held(KEYS[2], owner, now + tonumber(ttl), ttl)
     end
-    if now and string.byte(cur, #mine + 2) ~= 49 then
-      redis.call('SET', lock, string.sub(cur, 1, #mine + 1) .. '1' .. string.sub(cur, #mine + 3),
-        'PX', ttl)
+    if now and string.byte(cur, #owner + 3) ~= 49 then
+      redis.call('SET', lock, counted_value(cur, owner), 'PX', ttl)
     else
       redis.call('PEXPIRE', lock, ttl)
     end
