@@ -486,6 +486,57 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
     second.release().await.unwrap();
 }
 
+/// Every key of a FIFO queue expires on its own, within three entry windows, also when the
+/// queue emptied and its keys were made again beside a sequence that outlived them: the queue's
+/// keys are extended together, on the word of the expiry set's time left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_queue_keys_always_expire() {
+    let server = RedisServer::start().unwrap();
+    let (holder, mut lease) = warm_holder_of_r(&server).await;
+    let keys = holder.keys_for("r").unwrap();
+    let label = |l: &str| keys.iter().find(|(k, _)| *k == l).unwrap().1.clone();
+    let queued = ["queue", "qexp", "qseq", "qinfo"].map(label);
+    // An entry window of 4 backoffs plus the operation timeout.
+    let opts = LockOptions::default()
+        .fair(true)
+        .wait(Duration::from_secs(30))
+        .backoff(Duration::from_secs(4), Duration::from_secs(4));
+    // The test clients' operation timeout is 5 s.
+    let window_ms = 21_000;
+    for round in 0..2 {
+        let waiter = connect(&server.url()).await;
+        let o = opts.clone();
+        let waiting =
+            tokio::spawn(async move { waiter.acquire("r", &o).await.map(|l| (l, waiter)) });
+        await_queued(&server, &queued[0], 1);
+        for key in &queued {
+            let pttl: i64 = cli(&server, &["PTTL", key]).parse().unwrap();
+            assert!(
+                pttl > 0 && pttl <= 3 * window_ms,
+                "round {round}: {key} has PTTL {pttl}"
+            );
+        }
+        lease.release().await.unwrap();
+        let (handed, waiter) = timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the waiter was handed the lock")
+            .unwrap()
+            .unwrap();
+        // The queue emptied: its keys are gone but the sequence, which lives on its TTL.
+        assert_eq!(
+            cli(&server, &["EXISTS", &queued[0], &queued[1], &queued[3]]),
+            "0"
+        );
+        handed.release().await.unwrap();
+        drop(waiter);
+        lease = holder
+            .try_acquire("r", &LockOptions::default())
+            .await
+            .unwrap();
+    }
+    lease.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_hands_the_lock_to_the_fair_queue_head_without_another_attempt() {
     let server = RedisServer::start().unwrap();

@@ -302,16 +302,26 @@ local waiting = '0'
 if not ours then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  prune_waiters(KEYS[4], KEYS[5], KEYS[7], now)
-  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  -- Expired entries are pruned, and the head read, where they decide a grant: when the lock
+  -- is free. A held lock refuses whoever heads the queue. Only Redlock prunes on a refusal
+  -- too, since its release names the head in the wake-up and a dead head would wake nobody;
+  -- one node's release passes over a dead head itself before it hands the lock on.
+  local head
+  if not cur or ARGV[3] ~= '0' then
+    prune_waiters(KEYS[4], KEYS[5], KEYS[7], now)
+  end
+  if not cur then
+    head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  end
   if cur or (head and head ~= ARGV[1]) then
-    if not redis.call('ZSCORE', KEYS[4], ARGV[1]) then
-      local place = ARGV[9]
-      if place == '0' then
-        place = redis.call('INCR', KEYS[6])
-      end
-      redis.call('ZADD', KEYS[4], place, ARGV[1])
+    local place = ARGV[9]
+    if place == '0' then
+      -- Spent even when the waiter is queued already: a number skipped costs nothing, and
+      -- asking first would cost a newcomer a call.
+      place = redis.call('INCR', KEYS[6])
     end
+    -- NX: a waiter queued already keeps its place.
+    redis.call('ZADD', KEYS[4], 'NX', place, ARGV[1])
     redis.call('ZADD', KEYS[5], now + fair, ARGV[1])
     -- What a release needs to hand the lock straight to this waiter: only one node's release
     -- does (floor 0), as a Redlock grant needs a majority.
@@ -320,10 +330,12 @@ if not ours then
       redis.call('HSET', KEYS[7], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[9]))
       last = 7
     end
-    -- Each queue key outlives the entries in it by a window: a PTTL read costs the server
-    -- half of what a PEXPIRE write does, so a key is extended only when less is left.
-    for i = 4, last do
-      if redis.call('PTTL', KEYS[i]) < 2 * fair then
+    -- The queue's keys outlive its entries by a window. They are extended together, and only
+    -- here, where every one of them is created beside the expiry set (`qexp`) or kept while it
+    -- lives, so the expiry set's time left stands for all of them: one PTTL read instead of
+    -- one per key, and the writes only when less than two windows are left.
+    if redis.call('PTTL', KEYS[5]) < 2 * fair then
+      for i = 4, last do
         redis.call('PEXPIRE', KEYS[i], 3 * fair)
       end
     end
@@ -465,15 +477,19 @@ if not cur or string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner +
   end
   return 0
 end
-redis.call('DEL', KEYS[1])
 if string.byte(cur, #owner + 3) == 49 then
   redis.call('ZREM', KEYS[2], owner)
 end
 if string.byte(cur, #owner + 2) ~= 49 then
+  redis.call('DEL', KEYS[1])
   return 1
 end
+-- Someone waits. A lock handed on is overwritten with its new holder, so the key is deleted
+-- only when it is not, at the end.
 local queue, wake = key('queue:'), key('wake:')
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
+-- The head, and whether anyone waits behind it (the new holder's wait flag).
+local heads = redis.call('ZRANGE', queue, 0, 1)
+local head = heads[1]
 -- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
 -- the handoff's functions and reads would only cost the release.
 if ARGV[3] == '1' and head then
@@ -482,11 +498,13 @@ if ARGV[3] == '1' and head then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- The head's entry is read anyway (its expiry cuts the grant's); the queue is pruned only
-  -- when that entry has expired, as the queued attempts prune it too.
+  -- when that entry has expired. An expired entry further back is pruned once it heads the
+  -- queue, or by an attempt that finds the lock free.
   local left = tonumber(redis.call('ZSCORE', qexp, head) or '0') - now
   if left <= 0 then
     prune_waiters(queue, qexp, qinfo, now)
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+    heads = redis.call('ZRANGE', queue, 0, 1)
+    head = heads[1]
     left = head and tonumber(redis.call('ZSCORE', qexp, head) or '0') - now or 0
   end
   local info = head and left > 0 and redis.call('HGET', qinfo, head)
@@ -511,12 +529,13 @@ if ARGV[3] == '1' and head then
     redis.call('ZREM', qexp, head)
     redis.call('HDEL', qinfo, head)
     -- The waiters behind are owed a wake-up by the new holder's release.
-    local waiting = redis.call('PTTL', queue) > 0 and '1' or '0'
+    local waiting = heads[2] and '1' or '0'
     redis.call('SET', KEYS[1], meta_value(head, waiting .. counted, ttl, now, who), 'PX', px)
     redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. wake)
     return 1
   end
 end
+redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', wake, head or '')
 return 1
 "#;
