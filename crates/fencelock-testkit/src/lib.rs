@@ -123,11 +123,22 @@ pub fn wait_until(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
 mod tests {
     use super::*;
 
+    /// A port was free a moment ago, no more (see `free_port`): the other tests of this
+    /// binary start servers and connections meanwhile, and one free port was once taken
+    /// before the test could bind it. So, as the servers' `start` does, a taken port is
+    /// followed by another; a `free_port` that handed out taken ports would still fail here.
     #[test]
     fn free_port_is_bindable() {
-        let port = free_port();
-        assert_ne!(port, 0);
-        TcpListener::bind((Ipv4Addr::LOCALHOST, port)).unwrap();
+        let bound = (0..5).find_map(|_| {
+            let port = free_port();
+            assert!(
+                port != 0 && u32::from(port) < ephemeral_low(),
+                "port {port}"
+            );
+            TcpListener::bind((Ipv4Addr::LOCALHOST, port)).ok()
+        });
+        assert!(bound.is_some(), "none of five free ports could be bound");
+        assert_ne!(free_port(), free_port(), "one process got one port twice");
     }
 
     #[test]

@@ -488,7 +488,7 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
 
 /// Every key of a FIFO queue expires on its own, within three entry windows, also when the
 /// queue emptied and its keys were made again beside a sequence that outlived them: the queue's
-/// keys are extended together, on the word of the expiry set's time left alone.
+/// keys are extended together, when the expiry set's time left runs low.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fair_queue_keys_always_expire() {
     let server = RedisServer::start().unwrap();
