@@ -448,6 +448,24 @@ async fn warm_holder_of_r(server: &RedisServer) -> (Client, fencelock::Lease) {
     (holder, lease)
 }
 
+/// A fair waiter's options whose own retries come 4 s apart: only a handoff grants it sooner.
+/// Its queue entry lives 4 backoffs plus the test clients' operation timeout (5 s): 21 s.
+fn slow_fair_waiter() -> LockOptions {
+    LockOptions::default()
+        .fair(true)
+        .wait(Duration::from_secs(30))
+        .backoff(Duration::from_secs(4), Duration::from_secs(4))
+}
+
+/// `waiter` waiting for `r` with `opts` in a task of its own, which keeps the client alive
+/// with the lease.
+fn spawn_waiter(
+    waiter: Client,
+    opts: LockOptions,
+) -> tokio::task::JoinHandle<fencelock::Result<(fencelock::Lease, Client)>> {
+    tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) })
+}
+
 /// A waiter that died while queued is passed over by the handoff: its entry, at the head of the
 /// queue and expired, is pruned and the lock goes to the live waiter behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -457,14 +475,7 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
     let keys = holder.keys_for("r").unwrap();
     let label = |l: &str| keys.iter().find(|(k, _)| *k == l).unwrap().1.clone();
     let (queue, qexp) = (label("queue"), label("qexp"));
-    // The live waiter's own next attempt would come 4 s later: only a handoff is faster.
-    let waiter = connect(&server.url()).await;
-    let opts = LockOptions::default()
-        .fair(true)
-        .wait(Duration::from_secs(30))
-        .backoff(Duration::from_secs(4), Duration::from_secs(4));
-    let waiting =
-        tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) });
+    let waiting = spawn_waiter(connect(&server.url()).await, slow_fair_waiter());
     await_queued(&server, &queue, 1);
     // Then a dead waiter ahead of it (place 0), whose entry expired long ago: a queued attempt
     // would have pruned it, and the live waiter makes none before the release.
@@ -496,18 +507,10 @@ async fn fair_queue_keys_always_expire() {
     let keys = holder.keys_for("r").unwrap();
     let label = |l: &str| keys.iter().find(|(k, _)| *k == l).unwrap().1.clone();
     let queued = ["queue", "qexp", "qseq", "qinfo"].map(label);
-    // An entry window of 4 backoffs plus the operation timeout.
-    let opts = LockOptions::default()
-        .fair(true)
-        .wait(Duration::from_secs(30))
-        .backoff(Duration::from_secs(4), Duration::from_secs(4));
-    // The test clients' operation timeout is 5 s.
+    // The entry window of a `slow_fair_waiter`.
     let window_ms = 21_000;
     for round in 0..2 {
-        let waiter = connect(&server.url()).await;
-        let o = opts.clone();
-        let waiting =
-            tokio::spawn(async move { waiter.acquire("r", &o).await.map(|l| (l, waiter)) });
+        let waiting = spawn_waiter(connect(&server.url()).await, slow_fair_waiter());
         await_queued(&server, &queued[0], 1);
         for key in &queued {
             let pttl: i64 = cli(&server, &["PTTL", key]).parse().unwrap();
@@ -600,12 +603,8 @@ async fn handoffs_chain_through_every_queued_fair_waiter() {
     let (holder, first) = warm_holder_of_r(&server).await;
     let keys = holder.keys_for("r").unwrap();
     let queue = keys[2].1.clone();
-    // Each waiter's own next attempt would come 4 s later: only handoffs can finish the chain
-    // within the 3 s allowed below.
-    let opts = LockOptions::default()
-        .fair(true)
-        .wait(Duration::from_secs(30))
-        .backoff(Duration::from_secs(4), Duration::from_secs(4));
+    // Only handoffs can finish the chain within the 3 s allowed below.
+    let opts = slow_fair_waiter();
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..3 {
