@@ -7,7 +7,9 @@ use common::{fencelock, FINISH};
 
 #[test]
 fn demo_bills_every_customer_once_and_refuses_the_stalled_worker() {
-    let dir = tempfile::tempdir().unwrap();
+    // A 300 ms lease renews within 50 ms: the database lives in memory, where an `fsync` never
+    // waits on a loaded disk (a full test run once lost the takeover's lease on the disk).
+    let dir = fencelock_testkit::memory_tempdir().unwrap();
     let out = fencelock(&["demo", "--ttl", "300ms", "--backend"])
         .arg(format!("sqlite://{}/demo.db", dir.path().display()))
         .run(FINISH)

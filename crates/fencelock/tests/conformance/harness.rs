@@ -109,21 +109,12 @@ mod sqlite {
             "sqlite:relative",
         ];
 
-        /// The database lives in memory-backed `/dev/shm` where there is one, as the test
-        /// PostgreSQL runs with `fsync=off`: with this suite's 500 ms TTL a renewal has 83 ms,
-        /// and during a full test run two renewals in a row once went unanswered within it,
-        /// so the lease was lost. An `fsync` on the test machine's disk takes up to a quarter
-        /// of a second (ZooKeeper's writes measured 230 ms at p99 with it). A file there still
-        /// outlives the processes that open it.
+        /// The database lives in memory (see `memory_tempdir`): with this suite's 500 ms TTL a
+        /// renewal has 83 ms, and during a full test run two renewals in a row once went
+        /// unanswered within it on the disk, so the lease was lost.
         fn start() -> Sqlite {
-            let shm = std::path::Path::new("/dev/shm");
-            let dir = if shm.is_dir() {
-                tempfile::tempdir_in(shm)
-            } else {
-                tempfile::tempdir()
-            };
             Sqlite {
-                dir: dir.unwrap(),
+                dir: fencelock_testkit::memory_tempdir().unwrap(),
                 stuck: None,
             }
         }
