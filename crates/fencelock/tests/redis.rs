@@ -466,6 +466,19 @@ fn spawn_waiter(
     tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) })
 }
 
+/// The lease and client of a `spawn_waiter` task, which must have been handed the lock within
+/// `within`.
+async fn handed(
+    waiting: tokio::task::JoinHandle<fencelock::Result<(fencelock::Lease, Client)>>,
+    within: Duration,
+) -> (fencelock::Lease, Client) {
+    timeout(within, waiting)
+        .await
+        .expect("the waiter was handed the lock")
+        .unwrap()
+        .unwrap()
+}
+
 /// A waiter that died while queued is passed over by the handoff: its entry, at the head of the
 /// queue and expired, is pruned and the lock goes to the live waiter behind it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -483,11 +496,7 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
     assert_eq!(cli(&server, &["ZADD", &queue, "0", &dead]), "1");
     assert_eq!(cli(&server, &["ZADD", &qexp, "1", &dead]), "1");
     first.release().await.unwrap();
-    let (second, _waiter) = timeout(Duration::from_secs(3), waiting)
-        .await
-        .expect("the live waiter was handed the lock")
-        .unwrap()
-        .unwrap();
+    let (second, _waiter) = handed(waiting, Duration::from_secs(3)).await;
     assert_eq!(
         holder.inspect("r").await.unwrap().map(|h| h.owner),
         Some(second.owner().to_owned())
@@ -520,17 +529,13 @@ async fn fair_queue_keys_always_expire() {
             );
         }
         lease.release().await.unwrap();
-        let (handed, waiter) = timeout(Duration::from_secs(5), waiting)
-            .await
-            .expect("the waiter was handed the lock")
-            .unwrap()
-            .unwrap();
+        let (next, waiter) = handed(waiting, Duration::from_secs(5)).await;
         // The queue emptied: its keys are gone but the sequence, which lives on its TTL.
         assert_eq!(
             cli(&server, &["EXISTS", &queued[0], &queued[1], &queued[3]]),
             "0"
         );
-        handed.release().await.unwrap();
+        next.release().await.unwrap();
         drop(waiter);
         lease = holder
             .try_acquire("r", &LockOptions::default())
