@@ -42,6 +42,9 @@ const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The cluster has one superuser, `postgres`, with `trust` authentication, so
 /// [`PgServer::url`] needs no password. Durability is off (`fsync=off`): data survives
 /// [`PgServer::kill`] and [`PgServer::restart`] (the OS still holds it), not a machine crash.
+/// Its dynamic shared memory lives in files of the data directory
+/// (`dynamic_shared_memory_type=mmap`), not in `/dev/shm`, where a killed server's segments
+/// would outlive the test.
 ///
 /// As root the server runs as the `postgres` account (the server refuses root), in a
 /// directory owned by it; otherwise as the current user. Kill and drop SIGKILL the
@@ -324,6 +327,7 @@ fn spawn_ready(bindir: &Path, dir: &Path, port: u16) -> io::Result<Child> {
         .arg("-p")
         .arg(port.to_string())
         .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+        .args(["-c", "dynamic_shared_memory_type=mmap"])
         .arg("-k")
         .arg(dir)
         .current_dir(dir)
@@ -722,6 +726,25 @@ mod tests {
         drop(server);
         let alive: Vec<_> = processes.iter().filter(|p| p.is_alive()).collect();
         assert!(alive.is_empty(), "{alive:?}");
+    }
+
+    #[test]
+    fn shared_memory_stays_in_the_servers_directory() {
+        let server = PgServer::start().unwrap();
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", server.pid())).unwrap();
+        let shared: Vec<&str> = maps
+            .lines()
+            .filter(|l| l.contains("/dev/shm/") || l.contains("pg_dynshmem"))
+            .collect();
+        assert!(
+            !shared.is_empty(),
+            "no dynamic shared memory mapped:\n{maps}"
+        );
+        let dir = server.dir().to_string_lossy().into_owned();
+        assert!(
+            shared.iter().all(|l| l.contains(&dir)),
+            "mapped outside {dir}: {shared:?}"
+        );
     }
 
     #[test]
