@@ -59,7 +59,7 @@ pub(in crate::engines::postgres) const GRANT_PARAMS: &[&str] = &[
 ];
 
 impl AdvisoryEngine {
-    /// One attempt, queued on the session of the key's slot behind its earlier statements.
+    /// One attempt, on the session of the key's slot, after the key's earlier statements.
     pub(super) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
         let key = advisory_key(&self.shared.prefix, &req.name);
         // Subscribed before the attempt, so a release right after the refusal is not missed.
@@ -67,13 +67,13 @@ impl AdvisoryEngine {
         let session = self.session(self.slot_of(key)).await?;
         let (reply, answer) = oneshot::channel();
         session
-            .ops
-            .send(Op::Acquire {
+            .submit(Op::Acquire {
                 key,
                 row: self.shared.key(&req.name),
                 req: req.clone(),
                 reply,
             })
+            .await
             .map_err(|_| self.gone())?;
         match answer.await.map_err(|_| self.gone())?? {
             Attempt::Held { holder, .. } => {

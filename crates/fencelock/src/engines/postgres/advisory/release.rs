@@ -23,7 +23,7 @@ pub(in crate::engines::postgres) const RELEASE_PARAMS: &[&str] = &["key", "chann
 pub(super) const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
 
 impl AdvisoryEngine {
-    /// The owner's release, queued behind the key's earlier statements.
+    /// The owner's release, after the key's earlier statements.
     pub(super) async fn release_held(&self, name: &str, owner: &str) -> Result<bool> {
         let key = advisory_key(&self.shared.prefix, name);
         // The lock lives on the session that took it; if that one ended, so did the lock.
@@ -32,14 +32,14 @@ impl AdvisoryEngine {
         };
         let (reply, answer) = oneshot::channel();
         session
-            .ops
-            .send(Op::Release {
+            .submit(Op::Release {
                 key,
                 owner: owner.to_owned(),
                 channel: self.shared.channel.clone(),
                 name: name.to_owned(),
                 reply,
             })
+            .await
             .map_err(|_| self.gone())?;
         answer.await.map_err(|_| self.gone())?
     }

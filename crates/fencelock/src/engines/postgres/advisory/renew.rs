@@ -91,10 +91,11 @@ impl AdvisoryEngine {
 pub(super) const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// Takes the leases of this session whose TTL passed without renewal or release (and that no
-/// statement is working on), marking them pending until their unlock is confirmed.
+/// statement is working on), marking them pending until their unlock is confirmed and their
+/// keys busy until it finished.
 pub(super) fn take_expired(
     s: &Session,
-    busy: &HashMap<i64, VecDeque<Op>>,
+    busy: &mut HashMap<i64, VecDeque<Op>>,
 ) -> (Vec<i64>, Vec<String>) {
     let now = Instant::now();
     let mut held = lock(&s.held);
@@ -110,6 +111,7 @@ pub(super) fn take_expired(
         .filter_map(|k| match held.remove(&k) {
             Some(Held::Granted { name, .. }) => {
                 held.insert(k, Held::Pending);
+                busy.insert(k, VecDeque::new());
                 Some((k, name))
             }
             _ => None,

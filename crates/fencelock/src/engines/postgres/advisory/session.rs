@@ -1,9 +1,13 @@
 //! The slots and their sessions: a resource always maps to the same slot, so re-entrance is
-//! seen locally; each session remembers what it holds and runs its statements from a queue,
-//! those of one key in the order they were asked.
+//! seen locally; each session remembers what it holds and runs the statements of one key in
+//! the order they were asked: in the caller's task when the key has none in flight, else
+//! from its queue in the session's task.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -47,7 +51,14 @@ pub(super) struct Session {
     pub(super) holder_id: String,
     pub(super) held: Arc<Mutex<HashMap<i64, Held>>>,
     pub(super) ended: CancellationToken,
-    pub(super) ops: mpsc::UnboundedSender<Op>,
+    /// Keys with a statement in flight, and the statements waiting behind it. Shared by the
+    /// callers and the session's task; locked before `held` where both are.
+    busy: Mutex<HashMap<i64, VecDeque<Op>>>,
+    /// Statements whose key is already marked busy, for the session's task to run. Closed
+    /// when the task stops, after which the session takes no statement.
+    ops: mpsc::UnboundedSender<Op>,
+    kind: &'static str,
+    limit: Duration,
 }
 
 pub(super) enum Op {
@@ -66,8 +77,91 @@ pub(super) enum Op {
     },
 }
 
-pub(super) fn lock(held: &Mutex<HashMap<i64, Held>>) -> MutexGuard<'_, HashMap<i64, Held>> {
-    held.lock().unwrap_or_else(|p| p.into_inner())
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Session {
+    /// Runs `op`, its answer going to the op's reply: right here when no statement of its
+    /// key is in flight, so the usual grant or release makes no hop to the session's task
+    /// and back; else after the key's earlier statements, from the session's task. A caller
+    /// that stops waiting does not stop the statement (see [`Detached`]). `Err` when the
+    /// session has stopped taking statements.
+    pub(super) async fn submit(self: &Arc<Self>, op: Op) -> std::result::Result<(), ()> {
+        let key = op.key();
+        let now = {
+            let mut busy = lock(&self.busy);
+            if self.ops.is_closed() {
+                return Err(());
+            }
+            match busy.get_mut(&key) {
+                Some(behind) => {
+                    behind.push_back(op);
+                    None
+                }
+                None => {
+                    busy.insert(key, VecDeque::new());
+                    Some(op)
+                }
+            }
+        };
+        if let Some(op) = now {
+            let s = self.clone();
+            Detached(Some(Box::pin(async move {
+                for key in run(s.clone(), op).await {
+                    if let Some(next) = s.next_of(key) {
+                        // Refused only once the task has stopped: the op is dropped, and
+                        // its caller told the session is gone.
+                        let _ = s.ops.send(next);
+                    }
+                }
+            })))
+            .await;
+        }
+        Ok(())
+    }
+
+    /// The statement waiting next on `key`, whose statement just finished; the key is no
+    /// longer busy when none waits.
+    fn next_of(&self, key: i64) -> Option<Op> {
+        let mut busy = lock(&self.busy);
+        let next = busy.get_mut(&key).and_then(VecDeque::pop_front);
+        if next.is_none() {
+            busy.remove(&key);
+        }
+        next
+    }
+}
+
+/// A statement polled in its caller's task that, if the caller drops it before it finished,
+/// is finished in a task of its own: a grant the server may have made must be recorded (or
+/// a release's answer taken) whether or not anyone still waits for it.
+struct Detached(Option<BoxFuture<'static, ()>>);
+
+impl Future for Detached {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(fut) = self.0.as_mut() else {
+            return Poll::Ready(());
+        };
+        let done = fut.as_mut().poll(cx);
+        if done.is_ready() {
+            self.0 = None;
+        }
+        done
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        if let Some(fut) = self.0.take() {
+            // Outside a runtime (it is shutting down) the session goes with it.
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(fut);
+            }
+        }
+    }
 }
 
 impl AdvisoryEngine {
@@ -143,35 +237,32 @@ impl AdvisoryEngine {
             holder_id: self.shared.holder_id.clone(),
             held,
             ended,
+            busy: Mutex::default(),
             ops,
+            kind: self.shared.kind,
+            limit: self.shared.op_timeout,
         });
         tokio::spawn(work(
             session.clone(),
             queue,
             self.shared.channel.clone(),
             self.shared.shutdown.clone(),
-            self.shared.kind,
-            self.shared.op_timeout,
         ));
         Ok(session)
     }
 }
 
-/// Runs one session's grants and releases: those of different keys concurrently (pipelined
-/// on the connection), those of one key one after another in the order they were asked, and
-/// whether or not the caller still waits for the answer.
+/// Runs the statements callers left to the session (those queued behind another of their
+/// key, pipelined on the connection with the rest) and the sweep of expired leases, until
+/// the session ends or the client shuts down.
 pub(super) async fn work(
     s: Arc<Session>,
     mut queue: mpsc::UnboundedReceiver<Op>,
     channel: String,
     shutdown: CancellationToken,
-    kind: &'static str,
-    limit: Duration,
 ) {
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Keys with a statement in flight, and what waits behind it.
-    let mut busy: HashMap<i64, VecDeque<Op>> = HashMap::new();
     let mut running: FuturesUnordered<BoxFuture<'static, Vec<i64>>> = FuturesUnordered::new();
     // Made once: a cancellation future built anew in every turn of the loop would register
     // with its token and deregister again for every statement.
@@ -180,44 +271,36 @@ pub(super) async fn work(
     tokio::pin!(ended, stopped);
     loop {
         tokio::select! {
-            _ = &mut stopped => return,
-            _ = &mut ended => return,
+            _ = &mut stopped => break,
+            _ = &mut ended => break,
             _ = sweep.tick() => {
-                let (keys, names) = take_expired(&s, &busy);
+                let (keys, names) = take_expired(&s, &mut lock(&s.busy));
                 if !keys.is_empty() {
-                    for k in &keys {
-                        busy.insert(*k, VecDeque::new());
-                    }
                     let (s, channel) = (s.clone(), channel.clone());
+                    let (kind, limit) = (s.kind, s.limit);
                     running.push(Box::pin(async move {
                         unlock_expired(&s, keys, names, &channel, kind, limit).await
                     }));
                 }
             }
             op = queue.recv() => {
-                let Some(op) = op else { return };
-                let key = op.key();
-                match busy.get_mut(&key) {
-                    Some(behind) => behind.push_back(op),
-                    None => {
-                        busy.insert(key, VecDeque::new());
-                        running.push(run(s.clone(), op, kind, limit));
-                    }
-                }
+                let Some(op) = op else { break };
+                running.push(run(s.clone(), op));
             }
             Some(done) = running.next(), if !running.is_empty() => {
                 for key in done {
-                    let next = busy.get_mut(&key).and_then(VecDeque::pop_front);
-                    match next {
-                        Some(op) => running.push(run(s.clone(), op, kind, limit)),
-                        None => {
-                            busy.remove(&key);
-                        }
+                    if let Some(op) = s.next_of(key) {
+                        running.push(run(s.clone(), op));
                     }
                 }
             }
         }
     }
+    // Under the lock a caller checks for the closed queue: no statement is left behind it
+    // unanswered. The dropped ones tell their callers the session is gone.
+    let mut busy = lock(&s.busy);
+    queue.close();
+    busy.clear();
 }
 
 impl Op {
@@ -229,12 +312,8 @@ impl Op {
 }
 
 /// One grant or release; resolves to the key it concerned.
-fn run(
-    s: Arc<Session>,
-    op: Op,
-    kind: &'static str,
-    limit: Duration,
-) -> BoxFuture<'static, Vec<i64>> {
+fn run(s: Arc<Session>, op: Op) -> BoxFuture<'static, Vec<i64>> {
+    let (kind, limit) = (s.kind, s.limit);
     Box::pin(async move {
         match op {
             Op::Acquire {
