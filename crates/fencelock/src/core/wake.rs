@@ -21,13 +21,18 @@
 //!   once (in the default, barging mode only), and its retry follows the release on each
 //!   connection, so the server runs it right after the release. The nodes' own announcements
 //!   of that release then reach the same waiter, still in its place, and are spent with it.
+//! - **Only the waiter concerned wakes.** A waiter with a place is woken through its own
+//!   notification, by an announcement that names it or nobody; the resource's channel only
+//!   keeps the announcements for it to read. So a handoff to one of 16 waiters of a client
+//!   runs one task, not 16 that would look, find it names another, and sleep again (on a
+//!   small machine, beside the server that runs the next release).
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::token::FencingToken;
@@ -113,6 +118,8 @@ struct Place {
     owner: String,
     /// Announcements from this many distinct nodes make a release.
     need: usize,
+    /// The waiter's own notification (see [`Waiter::notify`]).
+    notify: Arc<Notify>,
     /// Granted: nothing to pass on.
     settled: bool,
 }
@@ -124,8 +131,27 @@ impl WakeRx {
     /// the announcement says so; `None` when the announcer is gone.
     pub(crate) async fn concerning(&mut self, owner: &str) -> Option<Option<FencingToken>> {
         let need = self.place.as_ref().map_or(1, |p| p.need.max(1));
-        while self.rx.changed().await.is_ok() {
+        let notify = self.place.as_ref().map(|p| p.notify.clone());
+        loop {
+            match &notify {
+                Some(n) => {
+                    n.notified().await;
+                    if self.rx.has_changed().is_err() {
+                        return None;
+                    }
+                }
+                None => {
+                    if self.rx.changed().await.is_err() {
+                        return None;
+                    }
+                }
+            }
             let w = self.rx.borrow_and_update();
+            if w.seq() == self.seen {
+                // A notification left by an announcement an earlier subscription of this
+                // waiter already read.
+                continue;
+            }
             let unseen = || {
                 w.recent
                     .iter()
@@ -154,7 +180,6 @@ impl WakeRx {
                 return Some(None);
             }
         }
-        None
     }
 
     /// Ends the subscription of a waiter that was granted the lock: announcements it did not
@@ -209,6 +234,24 @@ struct Waiter {
     refs: usize,
     /// Waits in FIFO mode, where the release itself hands the lock on or names the head.
     fair: bool,
+    /// Woken by each announcement that concerns this waiter. Its subscriptions share it, and
+    /// only one of them is awaited at a time (the acquisition's latest), which takes the
+    /// permit a notification leaves when nobody awaits it yet.
+    notify: Arc<Notify>,
+}
+
+impl Entry {
+    /// Wakes the waiters with a place that an announcement naming `only` concerns, once it is
+    /// published: a waiter woken earlier could read the channel before it and sleep again.
+    /// Subscribers without a place wait on the channel itself, which every announcement
+    /// changes.
+    fn notify_concerned(&self, only: Option<&str>) {
+        for w in &self.waiters {
+            if only.is_none_or(|o| o == w.owner) {
+                w.notify.notify_one();
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -227,21 +270,23 @@ impl Wakers {
         self.by_name.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn receiver(map: &mut HashMap<String, Entry>, name: &str) -> (watch::Receiver<Wake>, u64) {
+    /// A receiver of `name`'s announcements, the number of the last one it has seen, and the
+    /// resource's entry.
+    fn receiver<'m>(
+        map: &'m mut HashMap<String, Entry>,
+        name: &str,
+    ) -> (watch::Receiver<Wake>, u64, &'m mut Entry) {
         if map.len() > PRUNE_ABOVE {
             map.retain(|_, e| e.tx.receiver_count() > 0 || !e.waiters.is_empty());
         }
-        let rx = map
-            .entry(name.to_owned())
-            .or_insert_with(|| Entry {
-                tx: watch::channel(Wake::default()).0,
-                waiters: Vec::new(),
-            })
-            .tx
-            .subscribe();
+        let e = map.entry(name.to_owned()).or_insert_with(|| Entry {
+            tx: watch::channel(Wake::default()).0,
+            waiters: Vec::new(),
+        });
+        let rx = e.tx.subscribe();
         // Announcements take the map's lock too, so this is the value the receiver has seen.
         let seen = rx.borrow().seq();
-        (rx, seen)
+        (rx, seen, e)
     }
 
     /// Whether any attempt or waiter holds a subscription now: a listener may stop listening
@@ -252,7 +297,7 @@ impl Wakers {
 
     /// Every announcement of `name` from now on, without a place among its waiters.
     pub(crate) fn subscribe(&self, name: &str) -> WakeRx {
-        let (rx, seen) = Self::receiver(&mut self.entries(), name);
+        let (rx, seen, _) = Self::receiver(&mut self.entries(), name);
         WakeRx {
             rx,
             seen,
@@ -272,17 +317,23 @@ impl Wakers {
         fair: bool,
     ) -> WakeRx {
         let mut map = self.entries();
-        let (rx, seen) = Self::receiver(&mut map, name);
-        if let Some(e) = map.get_mut(name) {
-            match e.waiters.iter_mut().find(|w| w.owner == owner) {
-                Some(w) => w.refs += 1,
-                None => e.waiters.push(Waiter {
+        let (rx, seen, e) = Self::receiver(&mut map, name);
+        let notify = match e.waiters.iter_mut().find(|w| w.owner == owner) {
+            Some(w) => {
+                w.refs += 1;
+                w.notify.clone()
+            }
+            None => {
+                let notify = Arc::new(Notify::new());
+                e.waiters.push(Waiter {
                     owner: owner.to_owned(),
                     refs: 1,
                     fair,
-                }),
+                    notify: notify.clone(),
+                });
+                notify
             }
-        }
+        };
         WakeRx {
             rx,
             seen,
@@ -292,6 +343,7 @@ impl Wakers {
                 name: name.to_owned(),
                 owner: owner.to_owned(),
                 need,
+                notify,
                 settled: false,
             })),
         }
@@ -328,6 +380,8 @@ impl Wakers {
         if let Some(e) = map.get(name) {
             let only = only.or_else(|| e.waiters.first().map(|w| w.owner.clone()));
             e.tx.send_modify(|w| w.push(node, only, granted));
+            let published = e.tx.borrow();
+            e.notify_concerned(published.recent.back().and_then(|a| a.only.as_deref()));
         }
     }
 
@@ -351,6 +405,7 @@ impl Wakers {
                 w.push(node, Some(owner.clone()), None);
             }
         });
+        first.notify.notify_one();
         true
     }
 }
@@ -418,6 +473,42 @@ mod tests {
         // An announcement naming nobody concerns everybody.
         wakers.wake("r", 0, None, None);
         assert_eq!(concerning(&mut w3, "w3").await, Some(None));
+    }
+
+    /// Counts the wake-ups of the task it stands for.
+    struct Counted(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_announcement_naming_one_waiter_wakes_no_other() {
+        let wakers = Arc::new(Wakers::default());
+        let mut first = wakers.subscribe_as("r", "w1", 1, true);
+        let mut second = wakers.subscribe_as("r", "w2", 1, true);
+        let woken = Arc::new(Counted(0.into()));
+        let waker = std::task::Waker::from(woken.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut waiting = Box::pin(second.concerning("w2"));
+        assert!(waiting.as_mut().poll(&mut cx).is_pending());
+
+        wakers.wake("r", 0, Some("w1".into()), Some(FencingToken::new(3)));
+        wakers.wake("r", 0, Some("w3".into()), None);
+        assert_eq!(woken.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(
+            concerning(&mut first, "w1").await,
+            Some(Some(FencingToken::new(3)))
+        );
+        // Named, it wakes and sees the announcement, past the two it was not woken for.
+        wakers.wake("r", 0, Some("w2".into()), None);
+        assert_eq!(woken.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(
+            waiting.as_mut().poll(&mut cx),
+            std::task::Poll::Ready(Some(None))
+        );
     }
 
     #[tokio::test]
