@@ -303,6 +303,17 @@ fn peers_keys(engine: &str) -> Vec<String> {
         ]
     } else {
         keys.push("fencelock.default_over_fair".to_owned());
+        // The least fair handoff, measured on one node only.
+        for k in [
+            "acquisitions_per_s",
+            "handoff_p50_us",
+            "handoff_over_round_trip",
+            "utilisation",
+            "fencelock_over",
+        ] {
+            keys.push(format!("floor.fair_handoff.{k}"));
+        }
+        keys.push("round.1.floor.fair_handoff.utilisation".to_owned());
         &[
             "sequential",
             "fair_utilisation",
@@ -359,6 +370,10 @@ fn peers_measures_fencelock_and_rslock_side_by_side_and_cleans_up() {
         );
         let json = parsed.unwrap();
         assert_eq!(json["engine"], *engine, "{json}");
+        if *engine == "redlock" {
+            // A handoff needs a quorum there: the one-node floor does not apply.
+            assert!(json["floor.fair_handoff.utilisation"].is_null(), "{json}");
+        }
         for key in peers_keys(engine) {
             let v = &json[&key];
             if key.starts_with("target.") {

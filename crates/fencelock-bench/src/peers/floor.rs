@@ -258,7 +258,7 @@ impl LockLib for Bare {
 }
 
 /// An owner value as unique as fencelock's and rslock's random ones.
-fn rand_owner() -> u64 {
+pub(super) fn rand_owner() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())
 }

@@ -6,6 +6,7 @@
 //! round trip on the first node, the unit in which handoffs and utilisation are read.
 
 mod floor;
+mod handoff;
 mod report;
 mod rslock;
 
@@ -26,6 +27,7 @@ use crate::servers::Servers;
 use crate::CLIENT_NAME;
 
 use self::floor::{Bare, Scripts};
+use self::handoff::Handoff;
 use self::rslock::{Retry, Rslock};
 
 const WORKERS: usize = 16;
@@ -73,6 +75,8 @@ pub(crate) struct Round {
     pub(crate) rslock: LibRound,
     /// The bare `redis` crate's sequential pairs with each set of scripts (see [`floor`]).
     pub(crate) floors: Vec<(Scripts, Pairs)>,
+    /// One node only: the least fair handoff's contended run (see [`handoff`]).
+    pub(crate) handoff: Option<Contention>,
 }
 
 /// The run's fixed settings, for the output.
@@ -128,6 +132,17 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
             })?;
         floors.push(bare);
     }
+    let handoff = if setup.engine == "redis" {
+        let floor = Handoff::connect(&url, fencelock::DEFAULT_PREFIX)
+            .await
+            .map_err(|e| {
+                eprintln!("fencelock-bench peers: handoff floor: {e}");
+                Exit(exit::UNAVAILABLE)
+            })?;
+        Some(Arc::new(floor))
+    } else {
+        None
+    };
     let client = connect(&args.backend, CLIENT_NAME).await?;
     let stop = Stop::on_interrupt();
     let mut out = Out::new(args.json, stop.clone());
@@ -144,6 +159,7 @@ pub(crate) async fn run(args: PeersArgs) -> Result<u8> {
         }),
         rslock: Arc::new(rs),
         floors,
+        handoff,
     };
     let dur = Duration::from_secs(args.seconds);
     let mut rounds = Vec::new();
@@ -191,6 +207,7 @@ struct Libs {
     fair: Arc<Fencelock>,
     rslock: Arc<Rslock>,
     floors: Vec<Bare>,
+    handoff: Option<Arc<Handoff>>,
 }
 
 impl Libs {
@@ -233,6 +250,13 @@ impl Libs {
             })?;
             floors.push((kind, seq));
         }
+        let handoff = match &self.handoff {
+            Some(floor) => {
+                let name = format!("{base}-handoff-floor-contended");
+                Some(contend(floor, &name, dur, stop, handoff_failed).await?)
+            }
+            None => None,
+        };
         rtt.extend(round_trip(servers, &rtt_key).await?);
         Ok(Round {
             first,
@@ -240,6 +264,7 @@ impl Libs {
             fencelock,
             rslock,
             floors,
+            handoff,
         })
     }
 
@@ -284,6 +309,11 @@ impl Libs {
             modes: vec![("default", default)],
         })
     }
+}
+
+fn handoff_failed(e: redis::RedisError) -> anyhow::Error {
+    eprintln!("fencelock-bench peers: handoff floor: {e}");
+    Exit(exit::UNAVAILABLE).into()
 }
 
 fn rslock_failed(e: ::rslock::LockError) -> anyhow::Error {

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use super::{LibRound, Round, Setup, HOLD, TTL, WORKERS};
+use crate::harness::Contention;
 use crate::plumbing::{dur, rate, Out};
 use crate::reference::median;
 
@@ -78,7 +79,7 @@ fn figures(lib: &LibRound, round_trip: Duration) -> Vec<Figure> {
                 "utilisation",
                 "utilisation",
                 Unit::Ratio,
-                c.per_s * (c.hold_mean.as_secs_f64() + rtt),
+                utilisation(c, round_trip),
             ),
         ] {
             out.push(f(
@@ -90,6 +91,11 @@ fn figures(lib: &LibRound, round_trip: Duration) -> Vec<Figure> {
         }
     }
     out
+}
+
+/// Acquisitions/s × (mean hold + the round trip): 1.0 for a lock handed over in one round trip.
+fn utilisation(c: &Contention, round_trip: Duration) -> f64 {
+    c.per_s * (c.hold_mean.as_secs_f64() + round_trip.as_secs_f64())
 }
 
 /// rslock's figure a fencelock figure is compared with: the same one, except that fair mode,
@@ -186,12 +192,20 @@ pub(super) fn round_line(out: &mut Out, r: u32, round: &Round) {
             pairs.per_s,
         );
     }
+    if let Some(c) = &round.handoff {
+        out.num(
+            &format!("{p}.floor.fair_handoff.utilisation"),
+            utilisation(c, round.round_trip),
+        );
+    }
     let timeouts: u64 = round
         .fencelock
         .modes
         .iter()
         .chain(&round.rslock.modes)
-        .map(|(_, c)| c.timeouts)
+        .map(|(_, c)| c)
+        .chain(&round.handoff)
+        .map(|c| c.timeouts)
         .sum();
     if timeouts > 0 {
         out.line(format!(
@@ -280,6 +294,7 @@ pub(super) fn summary(out: &mut Out, setup: &Setup, rounds: &[Round]) {
     );
 
     floors(out, rounds);
+    handoff_floor(out, rounds);
 
     out.line(String::new());
     out.line("targets (performance issue, Redis):");
@@ -399,6 +414,75 @@ fn floors(out: &mut Out, rounds: &[Round]) {
          fencelock's scripts are the engine's own for one uncontended pair, the minimal pair is \
          SET NX PX + INCR in one script and rslock's compare-and-delete, MULTI the same \
          without the acquire script (not a safe design: see docs/benchmarks.md)",
+    );
+}
+
+/// One node: the least fair handoff's contended figures (see `handoff.rs`), medians over
+/// rounds, and fencelock's fair utilisation as a share of the floor's, the median of the same
+/// round's ratios.
+fn handoff_floor(out: &mut Out, rounds: &[Round]) {
+    if rounds.iter().all(|r| r.handoff.is_none()) {
+        return;
+    }
+    let of = |f: fn(&Contention, Duration) -> f64| {
+        median_of(
+            rounds
+                .iter()
+                .filter_map(|r| r.handoff.as_ref().map(|c| f(c, r.round_trip))),
+        )
+    };
+    let fair = |r: &Round| {
+        r.fencelock
+            .modes
+            .iter()
+            .find(|(m, _)| *m == "fair")
+            .map_or(f64::NAN, |(_, c)| utilisation(c, r.round_trip))
+    };
+    let fencelock_over = median_of(rounds.iter().filter_map(|r| {
+        r.handoff
+            .as_ref()
+            .map(|c| fair(r) / utilisation(c, r.round_trip))
+    }));
+    out.line(String::new());
+    out.line(format!(
+        "{:<50} {:>10}",
+        "floor: fair handoff, 16 workers", "median"
+    ));
+    for (key, label, unit, v) in [
+        (
+            "acquisitions_per_s",
+            "acquisitions/s",
+            Unit::Rate,
+            of(|c, _| c.per_s),
+        ),
+        (
+            "handoff_p50_us",
+            "handoff p50",
+            Unit::Micros,
+            of(|c, _| c.handoff.p(50.0).as_secs_f64() * 1e6),
+        ),
+        (
+            "handoff_over_round_trip",
+            "handoff p50 / round trip",
+            Unit::Ratio,
+            of(|c, rtt| c.handoff.p(50.0).as_secs_f64() / rtt.as_secs_f64()),
+        ),
+        ("utilisation", "utilisation", Unit::Ratio, of(utilisation)),
+        (
+            "fencelock_over",
+            "fencelock fair utilisation / this",
+            Unit::Ratio,
+            fencelock_over,
+        ),
+    ] {
+        out.line(format!("{label:<50} {:>10}", text(unit, v)));
+        out.num(&format!("floor.fair_handoff.{key}"), v);
+    }
+    out.line(
+        "floor: the least FIFO lock whose release hands on: SET NX PX or a place in a list to \
+         acquire; a release that checks the owner, pops the next waiter, sets the lock to it \
+         with the next token and publishes that on the client's channel (5 calls; not a safe \
+         design: see docs/benchmarks.md)",
     );
 }
 
