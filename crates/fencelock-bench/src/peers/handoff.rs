@@ -19,7 +19,7 @@ use redis::{RedisError, Script, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::harness::LockLib;
+use crate::harness::{lock, LockLib};
 use crate::servers::node_clients;
 
 /// KEYS: lock, fence, queue. ARGV: owner, ttl_ms. The token when granted, else queued: false.
@@ -123,10 +123,6 @@ impl Drop for Handoff {
     fn drop(&mut self) {
         self.listener.abort();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl LockLib for Handoff {
