@@ -159,7 +159,9 @@ pub use crate::engines::redis::acl::{REDIS_COMMANDS, REDIS_READ_COMMANDS};
 #[cfg(feature = "redis")]
 pub use crate::engines::redis::url::RedisUrl;
 #[cfg(feature = "redis")]
-pub use crate::engines::redis::{RedisPairCalls, RedisScriptCall};
+pub use crate::engines::redis::{
+    RedisPairCalls, RedisScriptCall, NODE_ID_ARG as REDIS_NODE_ID_ARG,
+};
 #[cfg(feature = "sqlite")]
 pub use crate::engines::sqlite::url::{default_sqlite_path, SqliteUrl};
 #[cfg(feature = "zookeeper")]

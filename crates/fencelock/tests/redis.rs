@@ -890,3 +890,33 @@ async fn a_handoff_respects_the_waiters_quota() {
         .unwrap();
     granted.release().await.unwrap();
 }
+
+/// A quota stored after a lease was granted: the renewal counts the lease in its client's
+/// `held` set, and the release, from a client that never heard of the quota (so sent without
+/// that set, which the script needs only under a quota), is answered with a request for it and
+/// sent again. The lease leaves the set, so the quota stops counting it at once, not when its
+/// TTL would have ended.
+#[tokio::test]
+async fn a_release_under_a_quota_its_client_never_saw_leaves_the_held_set() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let c = Client::builder(&url)
+        .client_name("unaware")
+        .connect()
+        .await
+        .unwrap();
+    let lease = c
+        .try_acquire("counted", &LockOptions::default())
+        .await
+        .unwrap();
+    let admin = connect(&url).await;
+    admin
+        .set_limits(&fencelock::Limits::default().with_max_held_per_client(5))
+        .await
+        .unwrap();
+    lease.extend().await.unwrap();
+    assert_eq!(cli(&server, &["ZCARD", "fencelock:v1:held:unaware"]), "1");
+    lease.release().await.unwrap();
+    assert_eq!(cli(&server, &["ZCARD", "fencelock:v1:held:unaware"]), "0");
+    assert!(c.inspect("counted").await.unwrap().is_none());
+}

@@ -64,6 +64,9 @@ pub(crate) struct Bare {
     acquire: Script,
     release: Script,
     prefix: String,
+    /// fencelock's scripts: the id each node last answered with, which the acquire call
+    /// carries as the engine's does (see `fencelock::REDIS_NODE_ID_ARG`).
+    node_ids: std::sync::Mutex<Vec<String>>,
 }
 
 /// A pair's release call, kept from its acquisition.
@@ -101,6 +104,7 @@ impl Bare {
         };
         Ok(Bare {
             url: parsed,
+            node_ids: std::sync::Mutex::new(vec![String::new(); conns.len()]),
             conns,
             scripts,
             acquire,
@@ -148,22 +152,34 @@ impl Bare {
         keys: &[String],
         args: &[String],
         granted: fn(&Value) -> bool,
+        node_id_arg: Option<usize>,
     ) -> Result<usize, RedisError> {
-        let calls = self.conns.iter().map(|conn| {
+        let ids = node_id_arg.map(|_| crate::harness::lock(&self.node_ids).clone());
+        let calls = self.conns.iter().enumerate().map(|(n, conn)| {
             let mut conn = conn.clone();
             let mut inv = script.prepare_invoke();
             for k in keys {
                 inv.key(k);
             }
-            for a in args {
-                inv.arg(a);
+            for (i, a) in args.iter().enumerate() {
+                match (&ids, node_id_arg) {
+                    (Some(ids), Some(at)) if at == i => inv.arg(&ids[n]),
+                    _ => inv.arg(a),
+                };
             }
             async move { inv.invoke_async::<Value>(&mut conn).await }
         });
         let mut yes = 0;
-        for reply in join_all(calls).await {
-            if granted(&reply?) {
+        for (n, reply) in join_all(calls).await.into_iter().enumerate() {
+            let reply = reply?;
+            if granted(&reply) {
                 yes += 1;
+            }
+            // A node whose id the call did not carry answers with it.
+            if let (Some(_), Value::Array(items)) = (node_id_arg, &reply) {
+                if let Some(Value::BulkString(id)) = items.get(2) {
+                    crate::harness::lock(&self.node_ids)[n] = String::from_utf8_lossy(id).into();
+                }
             }
         }
         Ok(yes)
@@ -178,8 +194,11 @@ fn refused(name: &str, granted: usize, nodes: usize) -> RedisError {
     ))
 }
 
-fn first_is_one(v: &Value) -> bool {
+/// A grant by fencelock's acquire script: the bare token, or a table starting with 1.
+fn granted_by_fencelock(v: &Value) -> bool {
     match v {
+        Value::Int(_) => true,
+        Value::BulkString(b) => b.first().is_some_and(u8::is_ascii_digit),
         Value::Array(items) => matches!(items.first(), Some(Value::Int(1))),
         _ => false,
     }
@@ -208,7 +227,12 @@ impl LockLib for Bare {
                     keys: calls.release.keys,
                     args: calls.release.args,
                 };
-                (calls.acquire.keys, calls.acquire.args, guard, first_is_one)
+                (
+                    calls.acquire.keys,
+                    calls.acquire.args,
+                    guard,
+                    granted_by_fencelock,
+                )
             }
             Scripts::Transaction => {
                 let lock = format!("{}lock:{name}", self.prefix);
@@ -235,8 +259,10 @@ impl LockLib for Bare {
                 (vec![lock, fence], vec![owner, ttl], guard, is_int)
             }
         };
+        let node_id_arg =
+            (self.scripts == Scripts::Fencelock).then_some(fencelock::REDIS_NODE_ID_ARG);
         let granted = self
-            .everywhere(&self.acquire, &keys, &args, granted)
+            .everywhere(&self.acquire, &keys, &args, granted, node_id_arg)
             .await?;
         // The sequential loop's names are free: every node grants, or the run is wrong.
         if granted == self.conns.len() {
@@ -251,7 +277,7 @@ impl LockLib for Bare {
     }
 
     async fn release(&self, guard: BareGuard) -> Result<(), RedisError> {
-        self.everywhere(&self.release, &guard.keys, &guard.args, is_one)
+        self.everywhere(&self.release, &guard.keys, &guard.args, is_one, None)
             .await
             .map(|_| ())
     }

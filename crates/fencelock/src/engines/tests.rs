@@ -218,22 +218,20 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     for k in ["lock:r", "fence:r", "node", "limits", "held:me"] {
         plain.key(format!("t:{k}"));
     }
-    plain.arg("owner").arg(300_000).arg(0).arg("0\n1\nhost\nme");
+    plain
+        .arg("owner\n00\n300000\n0\n1\nhost\nme")
+        .arg(300_000)
+        .arg("");
     let mut fair = super::redis::scripts::ACQUIRE_FAIR.prepare_invoke();
-    for k in [
-        "lock:r", "fence:r", "node", "queue:r", "qexp:r", "qseq:r", "qinfo:r", "limits", "held:me",
-    ] {
+    for k in ["lock:r", "fence:r", "node", "limits", "held:me"] {
         fair.key(format!("t:{k}"));
     }
-    fair.arg("owner")
+    fair.arg("owner\n00\n300000\n0\n1\nhost\nme")
         .arg(300_000)
-        .arg(0)
-        .arg("0123456789abcdef")
-        .arg(0)
-        .arg("1\nhost\nme")
+        .arg("")
         .arg(60_000)
         .arg("t:client:x")
-        .arg(0);
+        .arg(2);
     for inv in [plain, fair] {
         let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
         assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
@@ -245,6 +243,33 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     }
     let exists = server.cli(&["EXISTS", "t:lock:r"]).unwrap();
     assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
+}
+
+/// The acquire script called by hand under a stored quota, without the client's set of held
+/// leases (which a client passes only once it knows of a quota): refused with the request for
+/// the set, and the lock key never written, so no caller skips the quota by leaving it out.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_acquire_script_without_the_held_set_under_a_quota_writes_nothing() {
+    let server = fencelock_testkit::RedisServer::start().unwrap();
+    let out = server.cli(&["SET", "t:limits", "0 2"]).unwrap();
+    assert!(out.status.success());
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut plain = super::redis::scripts::ACQUIRE.prepare_invoke();
+    for k in ["lock:r", "fence:r", "node", "limits"] {
+        plain.key(format!("t:{k}"));
+    }
+    plain
+        .arg("owner\n00\n30000\n0\n1\nhost\nme")
+        .arg(30_000)
+        .arg("");
+    let reply: Vec<::redis::Value> = plain.invoke_async(&mut conn).await.unwrap();
+    assert_eq!(reply.first(), Some(&::redis::Value::Int(4)), "{reply:?}");
+    for key in ["t:lock:r", "t:fence:r"] {
+        let exists = server.cli(&["EXISTS", key]).unwrap();
+        assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0", "{key}");
+    }
 }
 
 /// A file made by a version without the `holder_id` column gets it on first open, and its

@@ -28,12 +28,12 @@ use redis::Value;
 use super::keys::Keys;
 use super::node::{Node, NodeResult};
 use super::release::Release;
-use super::values::{as_i64, as_string, as_u64, holder_from, holder_value, ms, pttl_of, who};
+use super::values::{as_i64, as_string, as_u64, holder_from, holder_value, ms, pttl_of};
 use super::votes::errors_text;
 use super::{scripts, RedisEngine};
 use crate::core::engine::{AcquireRequest, Attempt, FairQueue};
 use crate::core::error::{Error, Result};
-use crate::core::holder::{unix_millis, Holder};
+use crate::core::holder::Holder;
 use crate::core::token::FencingToken;
 
 /// One node's answer to an acquisition attempt.
@@ -50,6 +50,30 @@ enum NodeAttempt {
         max: u32,
         retry: Duration,
     },
+    /// A quota is stored and the call carried no `held` set: send it again with it.
+    NeedsHeld,
+}
+
+/// The holder part of a compact refusal, `<pttl> <counter>\n<holder>`, or `<pttl>` alone
+/// when the lock is free and another fair waiter heads the queue (the `H` taken off).
+fn held_from_text(text: &[u8]) -> Option<NodeAttempt> {
+    let (head, holder) = match text.iter().position(|b| *b == b'\n') {
+        Some(nl) => (&text[..nl], Some(&text[nl + 1..])),
+        None => (text, None),
+    };
+    let head = std::str::from_utf8(head).ok()?;
+    let (pttl, counter) = head.split_once(' ').unwrap_or((head, ""));
+    let pttl = pttl
+        .parse::<i64>()
+        .ok()?
+        .try_into()
+        .ok()
+        .map(Duration::from_millis);
+    let counter = counter.parse().ok();
+    let holder = holder
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .map(|value| holder_from(value, pttl, counter));
+    Some(NodeAttempt::Held { holder, pttl })
 }
 
 impl RedisEngine {
@@ -92,12 +116,14 @@ impl RedisEngine {
                 inv.key(&keys.lock)
                     .key(&keys.fence)
                     .key(&self.node_key)
-                    .key(&self.limits_key)
-                    .key(&self.held_key)
-                    .arg(&req.owner)
-                    .arg(ms(req.ttl))
-                    .arg(floor)
-                    .arg(value);
+                    .key(&self.limits_key);
+                if self.quota_seen() {
+                    inv.key(&self.held_key);
+                }
+                inv.arg(value).arg(ms(req.ttl)).arg(node.known_id());
+                if !self.one_node() {
+                    inv.arg(floor);
+                }
                 inv
             }
             Some((window, since)) => {
@@ -105,26 +131,50 @@ impl RedisEngine {
                 inv.key(&keys.lock)
                     .key(&keys.fence)
                     .key(&self.node_key)
-                    .key(&keys.queue)
-                    .key(&keys.qexp)
-                    .key(&keys.qseq)
-                    .key(&keys.qinfo)
-                    .key(&self.limits_key)
-                    .key(&self.held_key)
-                    .arg(&req.owner)
+                    .key(&self.limits_key);
+                if self.quota_seen() {
+                    inv.key(&self.held_key);
+                }
+                inv.arg(value)
                     .arg(ms(req.ttl))
-                    .arg(floor)
-                    .arg(format!("{:016x}", rand::random::<u64>()))
-                    .arg(unix_millis(SystemTime::now()))
-                    .arg(who(&req.meta))
+                    .arg(node.known_id())
                     .arg(ms(window))
                     .arg(&self.channel)
-                    .arg(self.queue_place(since));
+                    .arg(self.prefix.len());
+                if !self.one_node() {
+                    inv.arg(self.queue_place(since)).arg(floor);
+                }
                 inv
             }
         };
-        let reply: Vec<Value> = node.run(inv, limit).await?;
+        let reply: Value = node.run(inv, limit).await?;
+        self.node_attempt(node, reply)
+    }
+
+    /// What a node's reply to the acquire script says (see [`scripts::ACQUIRE`] for its
+    /// shapes): a bare token or holder when the node's id is the one the client knows, a table
+    /// with the node's id otherwise.
+    fn node_attempt(&self, node: &Node, reply: Value) -> NodeResult<NodeAttempt> {
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
+        let items = match reply {
+            Value::Int(token) => {
+                let token = u64::try_from(token).map_err(|_| bad())?;
+                return Ok(NodeAttempt::Granted(token));
+            }
+            Value::BulkString(text) => {
+                return match text.strip_prefix(b"H") {
+                    Some(held) => held_from_text(held).ok_or_else(bad),
+                    None => std::str::from_utf8(&text)
+                        .ok()
+                        .and_then(|t| t.parse().ok())
+                        .map(NodeAttempt::Granted)
+                        .ok_or_else(bad),
+                };
+            }
+            Value::Array(items) => items,
+            _ => return Err(bad()),
+        };
+        let reply = items;
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
         node.observe(&id, self.max_ttl);
         match reply.first().and_then(as_i64) {
@@ -153,6 +203,7 @@ impl RedisEngine {
                     retry: Duration::from_millis(retry),
                 })
             }
+            Some(4) => Ok(NodeAttempt::NeedsHeld),
             _ => Err(bad()),
         }
     }
@@ -164,6 +215,28 @@ impl RedisEngine {
         req: &AcquireRequest,
         fair: Option<(Duration, SystemTime)>,
     ) -> Result<Attempt> {
+        match self.attempt_once(req, fair).await? {
+            Some(attempt) => Ok(attempt),
+            // A node told of a quota the call did not carry the `held` set for: the same
+            // attempt again, with it (`attempt_once` only answers `None` the first time).
+            None => match self.attempt_once(req, fair).await? {
+                Some(attempt) => Ok(attempt),
+                None => Err(Error::engine_failure(
+                    self.kind,
+                    "a node asked twice for the client's set of held leases",
+                )),
+            },
+        }
+    }
+
+    /// One attempt on every node, or `None` when a node refused it for want of the `held`
+    /// set (a quota this client had not seen yet): nothing is then left held, and the caller
+    /// sends the attempt again, which now carries the set.
+    async fn attempt_once(
+        &self,
+        req: &AcquireRequest,
+        fair: Option<(Duration, SystemTime)>,
+    ) -> Result<Option<Attempt>> {
         let keys = self.keys(&req.name);
         // Subscribed before the attempt is sent: a release announced after the refusal below
         // changes this receiver even if the waiter has not started waiting yet.
@@ -214,16 +287,29 @@ impl RedisEngine {
             let at_top = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(t) if *t == top);
             if answers.raise_to(&keys.fence, top, at_top, limit).await {
                 wake.settle();
-                return Ok(Attempt::Granted(FencingToken::new(top)));
+                if answers
+                    .answers()
+                    .any(|a| matches!(a, NodeAttempt::NeedsHeld))
+                {
+                    self.saw_quota();
+                }
+                return Ok(Some(Attempt::Granted(FencingToken::new(top))));
             }
             errors.push("the fencing counter could not be raised on a majority".to_owned());
         }
 
+        let needs_held = answers
+            .answers()
+            .any(|a| matches!(a, NodeAttempt::NeedsHeld));
         if granted_any || !errors.is_empty() {
             // A minority grant (or an answer that never came) must not linger: release it on
             // every node, including those that timed out.
             self.release_everywhere(&keys, &req.owner, Release::KeepWaiting, limit)
                 .await;
+        }
+        if needs_held && !self.quota_seen() {
+            self.saw_quota();
+            return Ok(None);
         }
         // A limit refused it on some node and no quorum granted: the limit is the answer.
         if let Some(max) = capped {
@@ -235,10 +321,10 @@ impl RedisEngine {
         }
         if let Some((max, retry)) = quota {
             if holders.len() < self.quorum {
-                return Ok(Attempt::OverQuota {
+                return Ok(Some(Attempt::OverQuota {
                     max,
                     retry_in: Some(retry),
-                });
+                }));
             }
         }
         // Nobody else holds it, or too few nodes answered for any grant to be possible:
@@ -276,11 +362,11 @@ impl RedisEngine {
         } else {
             holders.iter().filter_map(|(_, p)| *p).min()
         };
-        Ok(Attempt::Held {
+        Ok(Some(Attempt::Held {
             holder,
             retry_in,
             wake: Some(Box::new(wake)),
-        })
+        }))
     }
 }
 

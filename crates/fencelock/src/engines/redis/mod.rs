@@ -27,6 +27,7 @@ mod values;
 mod votes;
 mod wakeup;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +44,7 @@ use crate::core::records::{AuditRecord, HeldLock};
 use crate::core::wake::Wakers;
 use keys::Keys;
 use node::Node;
-pub use pair::{RedisPairCalls, RedisScriptCall};
+pub use pair::{RedisPairCalls, RedisScriptCall, NODE_ID_ARG};
 use url::RedisUrl;
 
 /// Opens the nodes of `url`: the lock, and a FIFO queue of waiters on every node (fair mode).
@@ -79,6 +80,7 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
         limits_key: keys::limits_key(&cfg.prefix),
         node_key: keys::node_key(&cfg.prefix),
         held_key: keys::held_key(&cfg.prefix, &cfg.holder_id),
+        quota_seen: Arc::new(AtomicBool::new(false)),
         wakers,
         channel,
         shutdown,
@@ -127,6 +129,9 @@ pub(crate) struct RedisEngine {
     /// Where the limits of the prefix are stored, and this client's set of held leases.
     limits_key: String,
     held_key: String,
+    /// Whether a node told this client of a quota: from then on the acquire and release
+    /// scripts get the `held` set, which they need only under a quota (see the scripts).
+    quota_seen: Arc<AtomicBool>,
     /// The node's id (see [`node`]), read by every grant.
     node_key: String,
     wakers: Arc<Wakers>,
@@ -161,6 +166,16 @@ impl RedisEngine {
     /// The least counter a node may answer with a grant or a forced release: the client's
     /// clock in microseconds on Redlock, so that healthy nodes agree on one value; 0 on one
     /// node, which uses its own clock.
+    /// Whether the scripts need this client's `held` set: once a node told of a quota.
+    fn quota_seen(&self) -> bool {
+        self.quota_seen.load(Ordering::Relaxed)
+    }
+
+    /// A node told of a quota: pass the `held` set from now on.
+    fn saw_quota(&self) {
+        self.quota_seen.store(true, Ordering::Relaxed);
+    }
+
     fn floor(&self) -> u64 {
         if self.one_node() {
             0

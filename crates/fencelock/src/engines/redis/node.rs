@@ -98,6 +98,16 @@ impl Node {
         async move { bounded(kind, &addr, inv.invoke_async::<T>(&mut conn), limit).await }
     }
 
+    /// What [`run_owned`](Self::run_owned) needs of the node, to run a script later from a
+    /// future that owns it.
+    pub(super) fn owned(&self) -> OwnedNode {
+        OwnedNode {
+            kind: self.kind,
+            addr: self.addr.clone(),
+            conn: self.conn.clone(),
+        }
+    }
+
     /// Runs one command with a deadline; errors become text naming the node.
     pub(super) async fn query<T: redis::FromRedisValue>(
         &self,
@@ -155,9 +165,40 @@ impl Node {
         }
     }
 
+    /// The node id this client last saw on the node, empty before the first: the acquire
+    /// script answers in full only when the node's id differs from it.
+    pub(super) fn known_id(&self) -> String {
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.id.clone().unwrap_or_default()
+    }
+
     pub(super) fn votes(&self) -> bool {
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         seen.sit_out_until.is_none_or(|t| Instant::now() >= t)
+    }
+}
+
+/// A node's connection and name, owned: see [`Node::owned`].
+pub(super) struct OwnedNode {
+    kind: &'static str,
+    addr: String,
+    conn: ConnectionManager,
+}
+
+impl OwnedNode {
+    /// Runs a script with a deadline, as [`Node::run`].
+    pub(super) async fn run<T: redis::FromRedisValue>(
+        mut self,
+        inv: redis::ScriptInvocation<'_>,
+        limit: Duration,
+    ) -> NodeResult<T> {
+        bounded(
+            self.kind,
+            &self.addr,
+            inv.invoke_async::<T>(&mut self.conn),
+            limit,
+        )
+        .await
     }
 }
 

@@ -23,13 +23,20 @@ pub struct RedisScriptCall {
     pub args: Vec<String>,
 }
 
+/// Where the acquire call's arguments hold the node id the client last saw on the node:
+/// empty in [`RedisUrl::pair_calls`], for the caller to fill in per node. A node answers with
+/// the bare token when the id is its own, and with `{1, token, node_id}` otherwise.
+pub const NODE_ID_ARG: usize = 2;
+
 /// What every node runs for one uncontended acquire+release in default mode: the acquire
 /// script (limits, lock, token, holder metadata) and the owner's release. Given by
 /// [`RedisUrl::pair_calls`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisPairCalls {
-    /// The acquisition; its reply starts with 1 when granted.
+    /// The acquisition; its reply is the token (an integer or its digits) when granted by a
+    /// node of the id passed at [`NODE_ID_ARG`], a table starting with 1 when granted by a
+    /// node of another id.
     pub acquire: RedisScriptCall,
     /// The release; it replies 1 when the owner's lock was deleted.
     pub release: RedisScriptCall,
@@ -37,7 +44,8 @@ pub struct RedisPairCalls {
 
 impl RedisUrl {
     /// The calls this URL's engine sends to each node for one uncontended acquire+release of
-    /// `name` under `prefix` by `owner`, for a client named `client`, with a lease of `ttl`.
+    /// `name` under `prefix` by `owner`, for a client named `client` that has seen no quota,
+    /// with a lease of `ttl`.
     /// The token floor is taken now, as the engine takes it at each attempt (the client's clock
     /// on Redlock, 0 on one node), so a caller builds the calls anew for every pair.
     pub fn pair_calls(
@@ -49,7 +57,6 @@ impl RedisUrl {
         ttl: Duration,
     ) -> RedisPairCalls {
         let k = Keys::new(prefix, name);
-        let held = keys::held_key(prefix, client);
         // As the engine: one node is judged by the count of nodes, not the scheme.
         let one_node = self.nodes.len() == 1;
         let floor = if one_node { 0 } else { unix_micros() };
@@ -63,23 +70,18 @@ impl RedisUrl {
                     k.fence,
                     keys::node_key(prefix),
                     keys::limits_key(prefix),
-                    held.clone(),
                 ],
-                args: vec![
-                    owner.to_owned(),
-                    ms(ttl).to_string(),
-                    floor.to_string(),
-                    value,
-                ],
+                args: std::iter::once(value)
+                    .chain([ms(ttl).to_string(), String::new()])
+                    .chain((!one_node).then(|| floor.to_string()))
+                    .collect(),
             },
             release: RedisScriptCall {
                 source: scripts::release_source(),
-                keys: vec![k.lock, held],
+                keys: vec![k.lock],
                 args: vec![
                     owner.to_owned(),
-                    prefix.len().to_string(),
-                    u8::from(one_node).to_string(),
-                    "0".to_owned(),
+                    (prefix.len() * 4 + 2 * usize::from(one_node)).to_string(),
                 ],
             },
         }
@@ -91,7 +93,7 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn one_node_and_redlock_differ_in_the_floor_and_the_handoff_flag_only() {
+    fn one_node_and_redlock_differ_in_the_floor_and_the_handoff_mode_only() {
         let url = |u: &str| match crate::Backend::parse(u) {
             Ok(crate::Backend::Redis(r)) => r,
             _ => unreachable!("{u} parses"),
@@ -107,10 +109,12 @@ mod tests {
         );
         assert_eq!(one.acquire.keys, three.acquire.keys);
         assert_eq!(one.acquire.keys[0], "p:lock:n");
-        assert_eq!(one.acquire.args[..2], ["o", "3000"]);
-        assert_eq!(one.acquire.args[2], "0");
-        assert_ne!(three.acquire.args[2], "0");
-        assert_eq!(one.release.args, ["o", "2", "1", "0"]);
-        assert_eq!(three.release.args, ["o", "2", "0", "0"]);
+        assert!(one.acquire.args[0].starts_with("o\n00\n3000\n"));
+        assert_eq!(one.acquire.args[1..], ["3000", ""]);
+        assert_eq!(three.acquire.args.len(), 4);
+        assert_ne!(three.acquire.args[3], "0");
+        // The prefix's length times 4, plus 2 for the handoff only one node makes.
+        assert_eq!(one.release.args, ["o", "10"]);
+        assert_eq!(three.release.args, ["o", "8"]);
     }
 }

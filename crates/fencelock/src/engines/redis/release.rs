@@ -1,6 +1,7 @@
 //! Owner-checked release on every node: of a lease, or of a split vote's minority grant.
 
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -33,15 +34,44 @@ impl RedisEngine {
         release: Release,
         limit: Duration,
     ) -> impl Future<Output = NodeResult<bool>> + Send + 'static {
-        let mut inv = scripts::RELEASE.prepare_invoke();
-        inv.key(&keys.lock)
-            .key(&self.held_key)
-            .arg(owner)
-            .arg(self.prefix.len())
-            .arg(u8::from(self.one_node()))
-            .arg(u8::from(release == Release::KeepWaiting));
-        let call = node.run_owned::<i64>(inv, limit);
-        async move { Ok(call.await? == 1) }
+        let mode = self.prefix.len() * 4
+            + 2 * usize::from(self.one_node())
+            + usize::from(release == Release::KeepWaiting);
+        let invoke = move |lock: &str, owner: &str, held: Option<&str>| {
+            let mut inv = scripts::RELEASE.prepare_invoke();
+            inv.key(lock);
+            if let Some(held) = held {
+                inv.key(held);
+            }
+            inv.arg(owner).arg(mode);
+            inv
+        };
+        let with_held = self.quota_seen();
+        let first = node.run_owned::<i64>(
+            invoke(
+                &keys.lock,
+                owner,
+                with_held.then_some(self.held_key.as_str()),
+            ),
+            limit,
+        );
+        // What it takes to send the release again with the `held` set, which the script asks
+        // for (answering 2 and changing nothing) when the grant was counted under a quota this
+        // client had not seen yet.
+        let again = (!with_held).then(|| {
+            let (lock, owner, held) = (keys.lock.clone(), owner.to_owned(), self.held_key.clone());
+            let (node, seen) = (node.owned(), self.quota_seen.clone());
+            move || {
+                seen.store(true, Ordering::Relaxed);
+                node.run::<i64>(invoke(&lock, &owner, Some(&held)), limit)
+            }
+        });
+        async move {
+            match (first.await?, again) {
+                (2, Some(again)) => Ok(again().await? == 1),
+                (answer, _) => Ok(answer == 1),
+            }
+        }
     }
 
     /// Whether each node released `owner`'s key.

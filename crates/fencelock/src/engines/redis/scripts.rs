@@ -82,16 +82,6 @@ end
 local function counted_value(cur, owner)
   return string.sub(cur, 1, #owner + 2) .. '1' .. string.sub(cur, #owner + 4)
 end
--- Raises the wait flag of a value `cur` another owner holds in `lock`, if it has this layout's
--- shape and the flag is down (see ACQUIRE, which does the same inline).
-local function raise_wait(lock, cur, pttl)
-  local nl = cur and string.find(cur, '\n', 1, true)
-  local q = nl and string.byte(cur, nl + 2)
-  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
-      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
-    redis.call('SET', lock, string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
-  end
-end
 -- The lock's value (see above), with `flags` the two flag bytes.
 local function meta_value(owner, flags, ttl, acquired_at, who)
   return owner .. '\n' .. flags .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
@@ -120,15 +110,34 @@ fn with_shared(body: &str) -> Script {
 /// Acquire outside fair mode, advancing the fencing counter in the same step: the script every
 /// uncontended acquisition runs, so it carries only what such a grant needs.
 ///
-/// KEYS: lock, fence, node, limits, held (this client's set of held leases under the prefix).
-/// ARGV: owner, ttl_ms, floor (`0` on one node: see below), the lock's value with both flags
-/// down ([`holder_value`](super::values::holder_value)), built by the client: a value the
-/// script assembled would cost it a string made and hashed on every call.
+/// KEYS: lock, fence, node, limits, and this client's set of held leases under the prefix
+/// (`held`) only once the client knows of a quota (see below).
+/// ARGV: the lock's value with both flags down ([`holder_value`](super::values::holder_value),
+/// built by the client: a value the script assembled would cost it a string made and hashed
+/// on every call; the owner is its first line), ttl_ms, the node id the client last saw on
+/// this node (empty when none), and, on Redlock only, the token floor.
 ///
-/// Replies as [`ACQUIRE_FAIR`]. The script defines no functions: a Lua closure is created on
-/// every call of a script whose body defines it, and the uncontended path pays for each one.
-/// An uncontended grant is four calls: the node id, the limits, the `SET NX PX GET` that takes
-/// the lock and writes its holder, and the counter.
+/// Reply:
+/// - **the token** alone (an integer, or its digits as text) when granted by a node whose id
+///   is the one the client passed;
+/// - **`H<pttl> <counter>\n<holder>`** when held by another, from a node of that id (`holder`:
+///   the lock's value, see [`SHARED`]; `counter`: the holder's token, empty when there is
+///   none);
+/// - otherwise a table whose third item is the node's id: `{1, token, node_id}` when granted,
+///   `{0, pttl, node_id, holder, counter}` when held, `{2, 0, node_id, max_ttl_ms}` when the
+///   TTL is above the stored cap, `{3, retry_ms, node_id, max_held}` when the client holds its
+///   quota (`retry_ms`: until its first lease expires), and `{4, 0, node_id}` when a quota is
+///   stored but the call carried no `held` set: the client sends the attempt again with it.
+///
+/// Each item a call carries, and each item of a table reply, costs the server more than most
+/// of the script's own work (see `scripts/redis-script-cost`): a key about 1,900 instructions,
+/// an argument 1,200, a three-item table reply 7,000 against 500 for one value. So the owner
+/// is read from the value, the floor goes only where it means something, the `held` set only
+/// where a quota needs it (a script called without it when one is stored refuses, so no
+/// caller skips the quota), and the node id comes back only when it is news to the client.
+/// The script defines no functions: a Lua closure is created on every call of a script whose
+/// body defines it. An uncontended grant is four calls: the node id, the limits, the `SET NX
+/// PX GET` that takes the lock and writes its holder, and the counter.
 ///
 /// Tokens:
 /// - **Redlock** passes the client's clock in µs as the floor, so that healthy nodes answer
@@ -163,8 +172,8 @@ if not node then
   node = t[1] .. '.' .. t[2]
   redis.call('SET', KEYS[3], node)
 end
-local owner, ttl, value = ARGV[1], ARGV[2], ARGV[4]
-local quota_now
+local value, ttl = ARGV[1], ARGV[2]
+local quota_now, owner
 local lim = redis.call('GET', KEYS[4])
 if lim then
   local mt, mh = string.match(lim, '^(%d+) (%d+)$')
@@ -173,6 +182,10 @@ if lim then
     return {2, 0, node, mt}
   end
   if mh > 0 then
+    if not KEYS[5] then
+      return {4, 0, node}
+    end
+    owner = string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
     local t = redis.call('TIME')
     quota_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', quota_now)
@@ -185,6 +198,9 @@ if lim then
   end
 end
 local cur = redis.call('SET', KEYS[1], value, 'NX', 'PX', ttl, 'GET')
+if cur then
+  owner = owner or string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
+end
 -- The owner's own value starts with the owner and a newline: `find` tells it without making
 -- a string, where comparing a prefix would make one on every call.
 if cur and (string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1) ~= 10) then
@@ -198,7 +214,11 @@ if cur and (string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1
       and string.byte(cur, nl + 3) == 10 and pttl > 0 then
     redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
   end
-  return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
+  local counter = redis.call('GET', KEYS[2])
+  if node == ARGV[3] then
+    return 'H' .. pttl .. ' ' .. (counter or '') .. '\n' .. cur
+  end
+  return {0, pttl, node, cur, counter}
 end
 if quota_now then
   redis.call('ZADD', KEYS[5], quota_now + tonumber(ttl), owner)
@@ -217,8 +237,8 @@ if cur then
   end
   return {1, redis.call('GET', KEYS[2]) or '0', node}
 end
-local s = ARGV[3]
-if s == '0' then
+local s = ARGV[4]
+if not s then
   -- A number, which the reply carries as an integer: exact, as tokens stay below 2^53.
   s = redis.call('INCR', KEYS[2])
   if s == 1 then
@@ -233,27 +253,34 @@ else
     redis.call('SET', KEYS[2], s)
   end
 end
+if node == ARGV[3] then
+  return s
+end
 return {1, s, node}
 "#;
 
 /// Acquire in fair (FIFO) mode, advancing the fencing counter in the same step.
 ///
-/// KEYS: lock, fence, node, queue, qexp, qseq, qinfo, limits, held (this client's set of held
-/// leases under the prefix).
-/// ARGV: owner, ttl_ms, floor (0: the server's clock in µs), node id candidate, now_ms (holder's
-/// wall clock), who (`pid\nhost\nclient`), the queue entry's ttl_ms, the client's own
-/// wake-up channel (where a release tells this waiter it was handed the lock), the waiter's
-/// place in the queue (0: after every waiter so far, numbered by `qseq`; Redlock passes the
-/// acquisition's start in µs, so that every node orders the waiters alike).
+/// KEYS: lock, fence, node, limits, and this client's set of held leases (`held`) only once
+/// the client knows of a quota (as [`ACQUIRE`]).
+/// ARGV: the lock's value with both flags down (as [`ACQUIRE`]: the owner is its first line,
+/// `pid\nhost\nclient` its last three), ttl_ms, the node id the client last saw on this node
+/// (empty when none), the queue entry's ttl_ms, the client's own wake-up channel (where a
+/// release tells this waiter it was handed the lock), the length of the prefix, and on
+/// Redlock only the waiter's place in the queue (the acquisition's start in µs, so that every
+/// node orders the waiters alike; one node numbers its waiters in arrival order with `qseq`)
+/// and the token floor (one node: the server's clock in µs).
 ///
-/// Reply: `{1, token, node_id}` when granted, `{0, pttl, node_id, holder, counter}` when held
-/// (`holder`: the lock's value, see [`SHARED`]; `counter`: the holder's token),
-/// `{2, 0, node_id, max_ttl_ms}` when the TTL is above the stored cap and `{3, retry_ms,
-/// node_id, max_held}` when the client holds its quota (`retry_ms`: until its first lease
-/// expires). The limits are one `GET` of the `limits` key, and nothing more when it is absent;
-/// with a quota, every grant is counted in the client's `held` set (owner -> expiry). The
-/// lock's value keeps the lease TTL for the stuck-lock runbook, which reads the time since the
-/// last renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried
+/// The queue's keys (`queue`, `qexp`, `qseq`, `qinfo`) are built from the lock key and the
+/// prefix's length: after the first, each costs the script less than a passed key costs the
+/// server (see [`ACQUIRE`] for what each item of a call costs).
+///
+/// Reply as [`ACQUIRE`]; a refusal by a node of the id passed is `H<pttl> <counter>\n<holder>`,
+/// or `H<pttl>` alone when the lock is free and another waiter heads the queue.
+/// The limits are one `GET` of the `limits` key, and nothing more when it is absent; with a
+/// quota, every grant is counted in the client's `held` set (owner -> expiry). The lock's
+/// value keeps the lease TTL for the stuck-lock runbook, which reads the time since the last
+/// renewal as `ttl - PTTL`. A grant to the owner that already holds the key (a retried
 /// attempt whose answer was lost) refreshes it and returns the token it was granted.
 ///
 /// A refused attempt raises the holder's wait flag, so its release announces itself; an
@@ -265,112 +292,170 @@ return {1, s, node}
 /// long as its clock did not step back across the restart.
 ///
 /// A fair waiter is queued when the lock is held or another waiter is ahead of it; [`ACQUIRE`]
-/// is the same grant without the queue.
-pub(crate) static ACQUIRE_FAIR: LazyLock<Script> = LazyLock::new(|| {
-    with_shared(
-        r#"
+/// is the same grant without the queue. Like it, this script defines a function only in the
+/// branch that needs it (the quota's), since a definition costs a closure on every call that
+/// runs it.
+pub(crate) static ACQUIRE_FAIR: LazyLock<Script> =
+    LazyLock::new(|| Script::new(ACQUIRE_FAIR_SOURCE));
+
+/// The text of [`ACQUIRE_FAIR`].
+pub(crate) const ACQUIRE_FAIR_SOURCE: &str = r#"
 if not redis.REDIS_VERSION_NUM then
   return redis.error_reply('fencelock needs Redis 7.0 or later')
 end
 local node = redis.call('GET', KEYS[3])
 if not node then
-  node = ARGV[4]
+  local t = redis.call('TIME')
+  node = t[1] .. '.' .. t[2]
   redis.call('SET', KEYS[3], node)
 end
-local max_ttl, max_held = parse_limits(redis.call('GET', KEYS[8]))
-if max_ttl > 0 and tonumber(ARGV[2]) > max_ttl then
-  return {2, 0, node, max_ttl}
-end
+local value, ttl = ARGV[1], ARGV[2]
+local owner = string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
+-- Redlock passes the place and the floor; one node neither.
+local redlock = ARGV[8] ~= nil
 local quota_now
-if max_held > 0 then
-  quota_now = now_ms()
-  if not within_quota(KEYS[9], ARGV[1], max_held, quota_now) then
-    local first = redis.call('ZRANGE', KEYS[9], 0, 0, 'WITHSCORES')
-    return {3, math.max(1, tonumber(first[2]) - quota_now), node, max_held}
+local lim = redis.call('GET', KEYS[4])
+if lim then
+  local mt, mh = string.match(lim, '^(%d+) (%d+)$')
+  mt, mh = tonumber(mt) or 0, tonumber(mh) or 0
+  if mt > 0 and tonumber(ttl) > mt then
+    return {2, 0, node, mt}
+  end
+  if mh > 0 then
+    if not KEYS[5] then
+      return {4, 0, node}
+    end
+    local t = redis.call('TIME')
+    quota_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', quota_now)
+    if not (redis.call('ZSCORE', KEYS[5], owner) or redis.call('ZCARD', KEYS[5]) < mh) then
+      local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
+      return {3, math.max(1, tonumber(first[2]) - quota_now), node, mh}
+    end
   end
 end
--- Refused: the holder's wait flag goes up (see ACQUIRE).
-local function held(cur)
-  local pttl = redis.call('PTTL', KEYS[1])
-  raise_wait(KEYS[1], cur, pttl)
-  return {0, pttl, node, cur, redis.call('GET', KEYS[2])}
-end
-local fair = tonumber(ARGV[7])
+local plen = tonumber(ARGV[6])
+local prefix, name = string.sub(KEYS[1], 1, plen), string.sub(KEYS[1], plen + 6)
+local queue, qexp = prefix .. 'queue:' .. name, prefix .. 'qexp:' .. name
+local qinfo = prefix .. 'qinfo:' .. name
+local fair = tonumber(ARGV[4])
 local cur = redis.call('GET', KEYS[1])
-local ours = owns(cur, ARGV[1])
-local waiting = '0'
+local ours = cur and string.find(cur, owner, 1, true) == 1 and string.byte(cur, #owner + 1) == 10
+local waiting, t = '0', nil
 if not ours then
-  local t = redis.call('TIME')
+  t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- Expired entries are pruned, and the head read, where they decide a grant: when the lock
   -- is free. A held lock refuses whoever heads the queue. Only Redlock prunes on a refusal
   -- too, since its release names the head in the wake-up and a dead head would wake nobody;
   -- one node's release passes over a dead head itself before it hands the lock on.
   local head
-  if not cur or ARGV[3] ~= '0' then
-    prune_waiters(KEYS[4], KEYS[5], KEYS[7], now)
+  if not cur or redlock then
+    for _, w in ipairs(redis.call('ZRANGEBYSCORE', qexp, '-inf', now)) do
+      redis.call('ZREM', queue, w)
+      redis.call('ZREM', qexp, w)
+      redis.call('HDEL', qinfo, w)
+    end
   end
   if not cur then
-    head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
-  if cur or (head and head ~= ARGV[1]) then
-    local place = ARGV[9]
-    if place == '0' then
+  if cur or (head and head ~= owner) then
+    local qseq = prefix .. 'qseq:' .. name
+    local place = ARGV[7]
+    if not place then
       -- Spent even when the waiter is queued already: a number skipped costs nothing, and
       -- asking first would cost a newcomer a call.
-      place = redis.call('INCR', KEYS[6])
+      place = redis.call('INCR', qseq)
     end
     -- NX: a waiter queued already keeps its place.
-    redis.call('ZADD', KEYS[4], 'NX', place, ARGV[1])
-    redis.call('ZADD', KEYS[5], now + fair, ARGV[1])
+    redis.call('ZADD', queue, 'NX', place, owner)
+    redis.call('ZADD', qexp, now + fair, owner)
     -- What a release needs to hand the lock straight to this waiter: only one node's release
-    -- does (floor 0), as a Redlock grant needs a majority.
-    local last = 6
-    if ARGV[3] == '0' then
-      redis.call('HSET', KEYS[7], ARGV[1], cmsgpack.pack(ARGV[2], ARGV[6], ARGV[8], KEYS[9]))
-      last = 7
+    -- does, as a Redlock grant needs a majority. `who` is the value's last three lines.
+    if not redlock then
+      local p = 0
+      for _ = 1, 4 do
+        p = string.find(value, '\n', p + 1, true)
+      end
+      redis.call('HSET', qinfo, owner,
+        cmsgpack.pack(ttl, string.sub(value, p + 1), ARGV[5], KEYS[5]))
     end
     -- The queue's keys outlive its entries by a window. They are extended together, and only
     -- here, where every one of them is created beside the expiry set (`qexp`) or kept while it
     -- lives, so the expiry set's time left stands for all of them: one PTTL read instead of
     -- one per key, and the writes only when less than two windows are left.
-    if redis.call('PTTL', KEYS[5]) < 2 * fair then
-      for i = 4, last do
-        redis.call('PEXPIRE', KEYS[i], 3 * fair)
+    if redis.call('PTTL', qexp) < 2 * fair then
+      redis.call('PEXPIRE', queue, 3 * fair)
+      redis.call('PEXPIRE', qexp, 3 * fair)
+      redis.call('PEXPIRE', qseq, 3 * fair)
+      if not redlock then
+        redis.call('PEXPIRE', qinfo, 3 * fair)
       end
     end
-    return held(cur)
+    -- Refused: the holder's wait flag goes up (see ACQUIRE).
+    local pttl = redis.call('PTTL', KEYS[1])
+    local nl = cur and string.find(cur, '\n', 1, true)
+    local q = nl and string.byte(cur, nl + 2)
+    if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
+        and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+      redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
+    end
+    local counter = redis.call('GET', KEYS[2])
+    if node == ARGV[3] then
+      if not cur then
+        return 'H' .. pttl
+      end
+      return 'H' .. pttl .. ' ' .. (counter or '') .. '\n' .. cur
+    end
+    return {0, pttl, node, cur, counter}
   end
   if head then
-    redis.call('ZREM', KEYS[4], ARGV[1])
-    redis.call('ZREM', KEYS[5], ARGV[1])
-    if ARGV[3] == '0' then
-      redis.call('HDEL', KEYS[7], ARGV[1])
+    redis.call('ZREM', queue, owner)
+    redis.call('ZREM', qexp, owner)
+    if not redlock then
+      redis.call('HDEL', qinfo, owner)
     end
-    if redis.call('ZCARD', KEYS[4]) > 0 then
+    if redis.call('ZCARD', queue) > 0 then
       -- The waiters behind are owed a wake-up by this holder's release.
       waiting = '1'
     end
   end
 end
 if quota_now then
-  count_held(KEYS[9], ARGV[1], quota_now + tonumber(ARGV[2]), ARGV[2])
+  redis.call('ZADD', KEYS[5], quota_now + tonumber(ttl), owner)
+  if redis.call('PTTL', KEYS[5]) < tonumber(ttl) then
+    redis.call('PEXPIRE', KEYS[5], ttl)
+  end
 end
 if ours then
-  if quota_now and string.byte(cur, #ARGV[1] + 3) ~= 49 then
-    redis.call('SET', KEYS[1], counted_value(cur, ARGV[1]), 'PX', ARGV[2])
+  if quota_now and string.byte(cur, #owner + 3) ~= 49 then
+    redis.call('SET', KEYS[1], string.sub(cur, 1, #owner + 2) .. '1' .. string.sub(cur, #owner + 4),
+      'PX', ttl)
   else
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    redis.call('PEXPIRE', KEYS[1], ttl)
   end
   return {1, redis.call('GET', KEYS[2]) or '0', node}
 end
-local s = advance(KEYS[2], tonumber(ARGV[3]))
-local flags = waiting .. (quota_now and '1' or '0')
-redis.call('SET', KEYS[1], meta_value(ARGV[1], flags, ARGV[2], ARGV[5], ARGV[6]), 'PX', ARGV[2])
+-- The counter becomes max(counter + 1, floor), written in one call when the floor is above it
+-- (the usual case: the floor is a clock in microseconds).
+local floor = tonumber(ARGV[8] or (tonumber(t[1]) * 1000000 + tonumber(t[2])))
+local s = string.format('%.0f', floor)
+local old = tonumber(redis.call('SET', KEYS[2], s, 'GET') or '0')
+if old >= floor then
+  s = string.format('%.0f', old + 1)
+  redis.call('SET', KEYS[2], s)
+end
+if waiting == '1' or quota_now then
+  value = string.sub(value, 1, #owner + 1) .. waiting .. (quota_now and '1' or '0')
+    .. string.sub(value, #owner + 4)
+end
+redis.call('SET', KEYS[1], value, 'PX', ttl)
+if node == ARGV[3] then
+  return s
+end
 return {1, s, node}
-"#,
-    )
-});
+"#;
 
 /// Owner-checked extension of many leases in one call.
 ///
@@ -417,10 +502,14 @@ return out
 /// Owner-checked release; also removes the owner from the FIFO queue (a cancelled waiter) and
 /// announces the change to waiters.
 ///
-/// KEYS: lock, held (this client's set of held leases). ARGV: owner, the length of
-/// the prefix, handoff (1: hand the lock to the head of the FIFO queue), keep waiting (1: a
-/// Redlock attempt rolled back on a split vote, whose owner keeps its place in the queue).
-/// Reply: 1 when the lock was this owner's and is now deleted (or handed on).
+/// KEYS: lock, and this client's set of held leases (`held`) when the client knows of a quota.
+/// ARGV: owner, and the mode: the length of the prefix times 4, plus 2 for handoff (hand the
+/// lock to the head of the FIFO queue), plus 1 for keep waiting (a Redlock attempt rolled back
+/// on a split vote, whose owner keeps its place in the queue). One number instead of three
+/// arguments, as each argument costs the server about as much to take in as a `GET`.
+/// Reply: 1 when the lock was this owner's and is now deleted (or handed on); 2, with nothing
+/// changed, when the grant was counted under a quota and the call carried no `held` set: the
+/// client sends the release again with it.
 ///
 /// The keys only a contended release touches (the queue's, the fence, the limits, the wake
 /// channel) are built in the script from the lock key and the prefix's length, not passed:
@@ -455,34 +544,42 @@ pub(crate) fn release_source() -> String {
 /// on: a function definition costs its closure on every call that runs it, and an uncontended
 /// release never needs them.
 const RELEASE_BODY: &str = r#"
--- A key of this name in another category: the lock key is the prefix, `lock:`, the name.
-local function key(category)
-  local plen = tonumber(ARGV[2])
-  return string.sub(KEYS[1], 1, plen) .. category .. string.sub(KEYS[1], plen + 6)
-end
 local owner = ARGV[1]
 local cur = redis.call('GET', KEYS[1])
 -- The owner's value starts with the owner and a newline (see ACQUIRE for `find`).
-if not cur or string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1) ~= 10 then
-  if ARGV[4] ~= '1' then
+local ours = cur and string.find(cur, owner, 1, true) == 1 and string.byte(cur, #owner + 1) == 10
+-- A grant counted under a quota leaves its client's set with its release.
+if ours and string.byte(cur, #owner + 3) == 49 then
+  if not KEYS[2] then
+    return 2
+  end
+  redis.call('ZREM', KEYS[2], owner)
+end
+if ours and string.byte(cur, #owner + 2) ~= 49 then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+-- Below, a waiter is involved: this owner's own queue entry, or someone waiting for the lock.
+local mode = tonumber(ARGV[2])
+local plen = math.floor(mode / 4)
+local handoff = math.floor(mode / 2) % 2 == 1
+-- A key of this name in another category: the lock key is the prefix, `lock:`, the name.
+local function key(category)
+  return string.sub(KEYS[1], 1, plen) .. category .. string.sub(KEYS[1], plen + 6)
+end
+if not ours then
+  if mode % 2 == 0 then
     local queue = key('queue:')
-    if redis.call('ZREM', queue, ARGV[1]) == 1 then
-      redis.call('ZREM', key('qexp:'), ARGV[1])
-      if ARGV[3] == '1' then
+    if redis.call('ZREM', queue, owner) == 1 then
+      redis.call('ZREM', key('qexp:'), owner)
+      if handoff then
         -- Only one node keeps what a handoff needs (see ACQUIRE_FAIR).
-        redis.call('HDEL', key('qinfo:'), ARGV[1])
+        redis.call('HDEL', key('qinfo:'), owner)
       end
       redis.call('PUBLISH', key('wake:'), redis.call('ZRANGE', queue, 0, 0)[1] or '')
     end
   end
   return 0
-end
-if string.byte(cur, #owner + 3) == 49 then
-  redis.call('ZREM', KEYS[2], owner)
-end
-if string.byte(cur, #owner + 2) ~= 49 then
-  redis.call('DEL', KEYS[1])
-  return 1
 end
 -- Someone waits. A lock handed on is overwritten with its new holder, so the key is deleted
 -- only when it is not, at the end.
@@ -492,7 +589,7 @@ local heads = redis.call('ZRANGE', queue, 0, 1)
 local head = heads[1]
 -- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
 -- the handoff's functions and reads would only cost the release.
-if ARGV[3] == '1' and head then
+if handoff and head then
   {SHARED}
   local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
@@ -512,7 +609,7 @@ if ARGV[3] == '1' and head then
   local counted = '0'
   if info then
     ttl, who, channel, held = cmsgpack.unpack(info)
-    local limits = string.sub(KEYS[1], 1, tonumber(ARGV[2])) .. 'limits'
+    local limits = string.sub(KEYS[1], 1, plen) .. 'limits'
     local max_ttl, max_held = parse_limits(redis.call('GET', limits))
     if (max_ttl > 0 and tonumber(ttl) > max_ttl)
         or (max_held > 0 and not (held and within_quota(held, head, max_held, now))) then
