@@ -1,6 +1,6 @@
 //! Metrics through the `metrics` facade: the library records, the application chooses the
-//! exporter (the `fencelock` binary serves Prometheus text with `--metrics-addr`). With no
-//! recorder installed, recording costs next to nothing.
+//! exporter (the `fencelock` binary serves Prometheus text with `--metrics-addr`). An
+//! acquisition records two series (its latency, and the TTL or the failure).
 //!
 //! Everything is recorded in the core (acquire loop, lease, watchdog), so every engine reports
 //! the same series; the exception is the per-node pair ([`NODE_UP`], [`NODE_CALL_FAILURES`]),
@@ -20,7 +20,7 @@
 //! | [`RENEWAL_FAILURES`] | counter | `engine`, `backend`, `resource` | renewal attempts that did not extend the lease |
 //! | [`LEASES_LOST`] | counter | `engine`, `backend`, `resource`, `reason` | leases marked lost |
 //! | [`STALE_TOKEN_REJECTIONS`] | counter | `resource` | writes refused by a [fence](crate::fence) |
-//! | [`NODE_UP`] | gauge | `engine`, `node` | whether the latest call to a Redis node reached it |
+//! | [`NODE_UP`] | gauge | `engine`, `node` | whether the latest call to a Redis node reached it (set at the first call and whenever that changes) |
 //! | [`NODE_CALL_FAILURES`] | counter | `engine`, `node` | calls to a Redis node that did not reach it |
 //!
 //! `outcome` is one of `acquired`, `held`, `timed_out`, `error`, `invalid`, `limit`; an acquire
@@ -34,9 +34,12 @@
 //! per lease, so failure ratios mean the same whatever the batching. Explicit
 //! [`Lease::extend`](crate::Lease::extend) calls count as renewals too.
 //!
-//! Counters start at zero (failure and loss counters at a resource's first acquisition, the
-//! stale-token counter once a fence has accepted a write for it): Prometheus' `increase()` cannot see
-//! the first increment of a series that appears with it.
+//! Counters start at zero (failure and loss counters at a resource's first acquisition in the
+//! process, a node's failure counter at its first call in the process, the stale-token counter once a fence
+//! has accepted a write for it): Prometheus' `increase()` cannot see the first increment of a
+//! series that appears with it. Install the recorder before the first acquisition: the zero
+//! is recorded once, not again at every acquisition, which would cost the uncontended path
+//! more than the rest of the client's work.
 //!
 //! Engine calls are traced as well: each runs in a `tracing` span `engine_call` with fields
 //! `engine`, `resource` (for a batch of renewals, their count) and `outcome` (`ok`, `error`
@@ -74,7 +77,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -111,8 +114,9 @@ pub const RENEWAL_FAILURES: &str = "fencelock_renewal_failures_total";
 pub const LEASES_LOST: &str = "fencelock_leases_lost_total";
 
 /// Whether the latest call to one node of a multi-node engine reached it (1) or not (0), by
-/// engine and node (`host:port`). Recorded by the engine, per node call: with one Redlock node
-/// down acquisitions still succeed, so this is the series that shows it.
+/// engine and node (`host:port`). Recorded by the engine at the node's first call and whenever
+/// its state changes: with one Redlock node down acquisitions still succeed, so this is the
+/// series that shows it.
 pub const NODE_UP: &str = "fencelock_node_up";
 
 /// Calls to one node that did not reach it (no connection, no answer in time, credentials
@@ -246,21 +250,27 @@ pub(crate) fn acquire_finished(
         "outcome" => outcome
     )
     .record(elapsed.as_secs_f64());
-    // Every reason's series exists from the first attempt on: `increase()` cannot see the
-    // first increment of a series that appears with it.
+    // Every reason's series exists from the resource's first acquisition on: `increase()`
+    // cannot see the first increment of a series that appears with it. Registered once: ten
+    // series touched on every acquisition cost more than the rest of the client's work.
+    let first = first_sight(engine, backend, &label);
     for r in ["held", "timed_out", "engine", "invalid", "limit"] {
-        metrics::counter!(
-            ACQUIRE_FAILURES,
-            "engine" => engine,
-        "backend" => backend.to_owned(),
-            "resource" => label.clone(),
-            "reason" => r
-        )
-        .increment(u64::from(reason == Some(r)));
+        if first || reason == Some(r) {
+            metrics::counter!(
+                ACQUIRE_FAILURES,
+                "engine" => engine,
+                "backend" => backend.to_owned(),
+                "resource" => label.clone(),
+                "reason" => r
+            )
+            .increment(u64::from(reason == Some(r)));
+        }
     }
     if let Ok(ttl) = result {
         metrics::gauge!(LEASE_TTL, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
             .set(ttl.as_secs_f64());
+    }
+    if first {
         metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone()).increment(0);
         metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
             .increment(0);
@@ -269,6 +279,26 @@ pub(crate) fn acquire_finished(
         }
     }
     outcome
+}
+
+/// Whether this process records the first acquisition of `label` by `engine` and `backend`:
+/// the one that starts the resource's counters at zero. Bounded as the labels are.
+fn first_sight(engine: &'static str, backend: &str, label: &str) -> bool {
+    type Seen = HashMap<&'static str, HashMap<String, HashSet<String>>>;
+    static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
+    let mut seen = SEEN
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let labels = seen.entry(engine).or_default();
+    if labels.get(backend).is_some_and(|l| l.contains(label)) {
+        return false;
+    }
+    labels
+        .entry(backend.to_owned())
+        .or_default()
+        .insert(label.to_owned());
+    true
 }
 
 pub(crate) fn hold_ended(engine: &'static str, backend: &str, label: &str, held: Duration) {
@@ -302,13 +332,40 @@ fn lease_lost_by(engine: &'static str, backend: &str, label: &str, loss: Loss, n
 /// One call to `node` of an engine reached it or not. The failure counter starts at zero with
 /// the node's first call, so that `increase()` sees its first failure.
 pub(crate) fn node_answered(engine: &'static str, node: &str, reached: bool) {
-    metrics::gauge!(NODE_UP, "engine" => engine, "node" => node.to_owned()).set(if reached {
-        1.0
-    } else {
-        0.0
-    });
-    metrics::counter!(NODE_CALL_FAILURES, "engine" => engine, "node" => node.to_owned())
-        .increment(u64::from(!reached));
+    // The gauge moves only when the node's state does (and at its first call), and the failure
+    // counter starts at zero then: a series recorded on every call costs the node's callers
+    // more than the rest of their client work.
+    let changed = {
+        type Last = HashMap<&'static str, HashMap<String, bool>>;
+        static LAST: OnceLock<Mutex<Last>> = OnceLock::new();
+        let mut last = LAST
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let nodes = last.entry(engine).or_default();
+        match nodes.get_mut(node) {
+            Some(was) if *was == reached => None,
+            Some(was) => {
+                *was = reached;
+                Some(false)
+            }
+            None => {
+                nodes.insert(node.to_owned(), reached);
+                Some(true)
+            }
+        }
+    };
+    if changed.is_some() {
+        metrics::gauge!(NODE_UP, "engine" => engine, "node" => node.to_owned()).set(if reached {
+            1.0
+        } else {
+            0.0
+        });
+    }
+    if !reached || changed == Some(true) {
+        metrics::counter!(NODE_CALL_FAILURES, "engine" => engine, "node" => node.to_owned())
+            .increment(u64::from(!reached));
+    }
 }
 
 /// A fence met `resource` (an in-memory fence the first time, a remote one at every accepted

@@ -381,3 +381,39 @@ impl FairQueue for RedisEngine {
         self.attempt(req, Some((window, since))).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_compact_refusal_names_the_holder_its_time_left_and_token() {
+        let value = "o1\n10\n30000\n1700000000000\n42\nbox\nbilling";
+        let text = format!("1500 17\n{value}");
+        let Some(NodeAttempt::Held { holder, pttl }) = held_from_text(text.as_bytes()) else {
+            unreachable!("a refusal parses");
+        };
+        assert_eq!(pttl, Some(Duration::from_millis(1500)));
+        let holder = holder.expect("a holder");
+        assert_eq!(holder.owner, "o1");
+        assert_eq!(holder.token, Some(FencingToken::new(17)));
+        assert_eq!(holder.client.as_deref(), Some("billing"));
+    }
+
+    #[test]
+    fn a_compact_refusal_without_a_holder_or_time_left_has_neither() {
+        // The lock free and another fair waiter first: no holder, and PTTL's -2.
+        let Some(NodeAttempt::Held { holder, pttl }) = held_from_text(b"-2") else {
+            unreachable!("a refusal parses");
+        };
+        assert!(holder.is_none());
+        assert_eq!(pttl, None);
+        // Held by a plain SET NX PX of another client: shown whole, with no token.
+        let Some(NodeAttempt::Held { holder, .. }) = held_from_text(b"900 5\nsomeone") else {
+            unreachable!("a refusal parses");
+        };
+        let holder = holder.expect("a holder");
+        assert_eq!((holder.owner.as_str(), holder.token), ("someone", None));
+        assert!(held_from_text(b"x 1\nv").is_none());
+    }
+}

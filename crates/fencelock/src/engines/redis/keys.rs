@@ -30,43 +30,54 @@
 //! Braces in names are not hash tags here: fencelock does not run against Redis Cluster; Redlock
 //! uses independent nodes.
 
-/// The keys of one resource.
+/// The keys of one resource that every acquisition uses; the others (queue, wake channel)
+/// are built where they are needed ([`Keys::of`]), as each one built costs an allocation on
+/// every call of the uncontended path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Keys {
     pub lock: String,
     pub fence: String,
-    pub queue: String,
-    pub qexp: String,
-    pub qseq: String,
-    pub qinfo: String,
-    pub wake: String,
+    prefix_len: usize,
 }
 
 impl Keys {
     pub(crate) fn new(prefix: &str, name: &str) -> Keys {
-        let k = |category: &str| format!("{prefix}{category}:{name}");
         Keys {
-            lock: k("lock"),
-            fence: k("fence"),
-            queue: k("queue"),
-            qexp: k("qexp"),
-            qseq: k("qseq"),
-            qinfo: k("qinfo"),
-            wake: k("wake"),
+            lock: key(prefix, "lock:", name),
+            fence: key(prefix, "fence:", name),
+            prefix_len: prefix.len(),
         }
     }
 
-    pub(crate) fn labelled(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("lock", self.lock.clone()),
-            ("fence", self.fence.clone()),
-            ("queue", self.queue.clone()),
-            ("qexp", self.qexp.clone()),
-            ("qseq", self.qseq.clone()),
-            ("qinfo", self.qinfo.clone()),
-            ("wake", self.wake.clone()),
-        ]
+    /// The key of this resource in `category` (`queue`, `qexp`, `qseq`, `qinfo`, `wake`).
+    pub(crate) fn of(&self, category: &str) -> String {
+        let (prefix, rest) = self.lock.split_at(self.prefix_len);
+        let name = &rest["lock:".len()..];
+        let mut k = String::with_capacity(self.lock.len() + category.len() + 1);
+        k.push_str(prefix);
+        k.push_str(category);
+        k.push(':');
+        k.push_str(name);
+        k
     }
+
+    pub(crate) fn labelled(&self) -> Vec<(&'static str, String)> {
+        let mut all = vec![("lock", self.lock.clone()), ("fence", self.fence.clone())];
+        for category in ["queue", "qexp", "qseq", "qinfo", "wake"] {
+            all.push((category, self.of(category)));
+        }
+        all
+    }
+}
+
+/// `prefix`, `category` (with its `:`), `name`: `format!` costs several times as much on the
+/// path every acquisition takes.
+fn key(prefix: &str, category: &str, name: &str) -> String {
+    let mut k = String::with_capacity(prefix.len() + category.len() + name.len());
+    k.push_str(prefix);
+    k.push_str(category);
+    k.push_str(name);
+    k
 }
 
 /// The limits stored under `prefix`.
@@ -178,12 +189,20 @@ mod tests {
     #[test]
     fn wake_channels_map_back_to_names() {
         let k = Keys::new("p:", "a:b{c}");
-        assert_eq!(name_of_wake_channel("p:", &k.wake), Some("a:b{c}"));
+        assert_eq!(name_of_wake_channel("p:", &k.of("wake")), Some("a:b{c}"));
         assert_eq!(name_of_wake_channel("p:", "p:lock:x"), None);
         assert_eq!(wake_pattern("a*[b]:"), "a\\*\\[b\\]:wake:*");
     }
 
     proptest! {
+        /// The keys built without `format!` are the documented `prefix category: name`.
+        #[test]
+        fn every_key_is_prefix_category_name(p in "\\PC{0,8}", n in "\\PC{0,12}") {
+            for (category, k) in Keys::new(&p, &n).labelled() {
+                prop_assert_eq!(k, format!("{p}{category}:{n}"));
+            }
+        }
+
         #[test]
         fn distinct_names_never_share_a_key(a in "\\PC{1,12}|[a:{}]{1,6}", b in "\\PC{1,12}|[a:{}]{1,6}") {
             prop_assume!(a != b);

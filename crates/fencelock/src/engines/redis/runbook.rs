@@ -185,11 +185,11 @@ impl RedisEngine {
             let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
             inv.key(&keys.lock)
                 .key(&keys.fence)
-                .key(&keys.queue)
+                .key(keys.of("queue"))
                 .key(&audit)
                 .arg(expected_owner.unwrap_or(""))
                 .arg(floor)
-                .arg(&keys.wake)
+                .arg(keys.of("wake"))
                 .arg(AUDIT_MAX_LEN);
             for (field, value) in &fields {
                 inv.arg(*field).arg(value);
