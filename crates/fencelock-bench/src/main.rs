@@ -92,6 +92,10 @@ enum Command {
     /// harness, interleaved round by round; fencelock's figures as ratios of rslock's.
     #[cfg(feature = "redis")]
     Peers(peers::PeersArgs),
+    /// A fixed number of sequential acquire+release pairs through fencelock or rslock and
+    /// nothing else: what `scripts/client-cost` counts the client's instructions on.
+    #[cfg(feature = "redis")]
+    Pairs(peers::pairs::PairsArgs),
 }
 
 fn main() -> ExitCode {
@@ -126,6 +130,8 @@ fn main() -> ExitCode {
     let run = match args.command {
         #[cfg(feature = "redis")]
         Some(Command::Peers(peers)) => runtime.block_on(peers::run(peers)),
+        #[cfg(feature = "redis")]
+        Some(Command::Pairs(pairs)) => runtime.block_on(peers::pairs::run(pairs)),
         None => runtime.block_on(bench(args)),
     };
     match run {

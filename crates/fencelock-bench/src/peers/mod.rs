@@ -7,6 +7,7 @@
 
 mod floor;
 mod handoff;
+pub(crate) mod pairs;
 mod report;
 mod rslock;
 
