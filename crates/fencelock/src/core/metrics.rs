@@ -78,7 +78,7 @@
 //! ```
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use metrics::Unit;
@@ -189,10 +189,7 @@ pub(crate) fn resource_label(resource: &str) -> String {
     if crate::core::name::validate_name(resource).is_err() {
         return "other".to_owned();
     }
-    let mut seen = SEEN
-        .get_or_init(|| Mutex::new(HashSet::new()))
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut seen = process_wide(&SEEN);
     if seen.contains(resource) {
         return resource.to_owned();
     }
@@ -281,15 +278,20 @@ pub(crate) fn acquire_finished(
     outcome
 }
 
+/// The process-wide state behind `cell`, made on first use. A poisoned lock is taken as it is:
+/// the state is sets of names, which no panic leaves half-written.
+fn process_wide<T: Default>(cell: &'static OnceLock<Mutex<T>>) -> MutexGuard<'static, T> {
+    cell.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
 /// Whether this process records the first acquisition of `label` by `engine` and `backend`:
 /// the one that starts the resource's counters at zero. Bounded as the labels are.
 fn first_sight(engine: &'static str, backend: &str, label: &str) -> bool {
     type Seen = HashMap<&'static str, HashMap<String, HashSet<String>>>;
     static SEEN: OnceLock<Mutex<Seen>> = OnceLock::new();
-    let mut seen = SEEN
-        .get_or_init(|| Mutex::new(HashMap::new()))
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut seen = process_wide(&SEEN);
     let labels = seen.entry(engine).or_default();
     if labels.get(backend).is_some_and(|l| l.contains(label)) {
         return false;
@@ -338,10 +340,7 @@ pub(crate) fn node_answered(engine: &'static str, node: &str, reached: bool) {
     let changed = {
         type Last = HashMap<&'static str, HashMap<String, bool>>;
         static LAST: OnceLock<Mutex<Last>> = OnceLock::new();
-        let mut last = LAST
-            .get_or_init(|| Mutex::new(HashMap::new()))
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut last = process_wide(&LAST);
         let nodes = last.entry(engine).or_default();
         match nodes.get_mut(node) {
             Some(was) if *was == reached => None,

@@ -204,35 +204,56 @@ async fn postgres_statements_refuse_a_ttl_above_the_cap() {
     check_the_engine_refuses_a_ttl_above_its_cap(&format!("{}?mode=lease", server.url())).await;
 }
 
-/// The acquire script run by hand, as a client that skips every check of this library would
-/// run it: refused with the cap in the reply, and the lock key never written.
+/// A Redis server with `limits` stored under the prefix `t:`, and a connection to it.
+#[cfg(feature = "redis")]
+async fn redis_with_limits(
+    limits: &str,
+) -> (
+    fencelock_testkit::RedisServer,
+    ::redis::aio::MultiplexedConnection,
+) {
+    let server = fencelock_testkit::RedisServer::start().unwrap();
+    let out = server.cli(&["SET", "t:limits", limits]).unwrap();
+    assert!(out.status.success());
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    (server, conn)
+}
+
+/// Both acquire scripts as a caller that skips every check of this library would run them on
+/// resource `r` under the prefix `t:`, with a TTL of `ttl_ms`: the plain one and the fair one,
+/// each with the client's `held` set or without it.
+#[cfg(feature = "redis")]
+fn acquire_calls(ttl_ms: u64, held: bool) -> Vec<::redis::ScriptInvocation<'static>> {
+    let value = format!("owner\n00\n{ttl_ms}\n0\n1\nhost\nme");
+    let mut calls = Vec::new();
+    for script in [
+        &*super::redis::scripts::ACQUIRE,
+        &*super::redis::scripts::ACQUIRE_FAIR,
+    ] {
+        let mut inv = script.prepare_invoke();
+        for k in ["lock:r", "fence:r", "node", "limits"] {
+            inv.key(format!("t:{k}"));
+        }
+        if held {
+            inv.key("t:held:me");
+        }
+        inv.arg(&value).arg(ttl_ms).arg("");
+        if std::ptr::eq(script, &*super::redis::scripts::ACQUIRE_FAIR) {
+            inv.arg(60_000).arg("t:client:x").arg(2);
+        }
+        calls.push(inv);
+    }
+    calls
+}
+
+/// The acquire scripts run by hand, as a client that skips every check of this library would
+/// run them: refused with the cap in the reply, and the lock key never written.
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
-    let server = fencelock_testkit::RedisServer::start().unwrap();
-    let out = server.cli(&["SET", "t:limits", "60000 0"]).unwrap();
-    assert!(out.status.success());
-    let client = ::redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let mut plain = super::redis::scripts::ACQUIRE.prepare_invoke();
-    for k in ["lock:r", "fence:r", "node", "limits", "held:me"] {
-        plain.key(format!("t:{k}"));
-    }
-    plain
-        .arg("owner\n00\n300000\n0\n1\nhost\nme")
-        .arg(300_000)
-        .arg("");
-    let mut fair = super::redis::scripts::ACQUIRE_FAIR.prepare_invoke();
-    for k in ["lock:r", "fence:r", "node", "limits", "held:me"] {
-        fair.key(format!("t:{k}"));
-    }
-    fair.arg("owner\n00\n300000\n0\n1\nhost\nme")
-        .arg(300_000)
-        .arg("")
-        .arg(60_000)
-        .arg("t:client:x")
-        .arg(2);
-    for inv in [plain, fair] {
+    let (server, mut conn) = redis_with_limits("60000 0").await;
+    for inv in acquire_calls(300_000, true) {
         let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
         assert_eq!(reply.first(), Some(&::redis::Value::Int(2)), "{reply:?}");
         assert_eq!(
@@ -245,28 +266,19 @@ async fn redis_acquire_script_called_directly_refuses_a_ttl_above_the_cap() {
     assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0");
 }
 
-/// The acquire script called by hand under a stored quota, without the client's set of held
+/// The acquire scripts called by hand under a stored quota, without the client's set of held
 /// leases (which a client passes only once it knows of a quota): refused with the request for
-/// the set, and the lock key never written, so no caller skips the quota by leaving it out.
+/// the set, and neither the lock nor the counter written, so no caller skips the quota by
+/// leaving the set out.
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_acquire_script_without_the_held_set_under_a_quota_writes_nothing() {
-    let server = fencelock_testkit::RedisServer::start().unwrap();
-    let out = server.cli(&["SET", "t:limits", "0 2"]).unwrap();
-    assert!(out.status.success());
-    let client = ::redis::Client::open(server.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let mut plain = super::redis::scripts::ACQUIRE.prepare_invoke();
-    for k in ["lock:r", "fence:r", "node", "limits"] {
-        plain.key(format!("t:{k}"));
+    let (server, mut conn) = redis_with_limits("0 2").await;
+    for inv in acquire_calls(30_000, false) {
+        let reply: Vec<::redis::Value> = inv.invoke_async(&mut conn).await.unwrap();
+        assert_eq!(reply.first(), Some(&::redis::Value::Int(4)), "{reply:?}");
     }
-    plain
-        .arg("owner\n00\n30000\n0\n1\nhost\nme")
-        .arg(30_000)
-        .arg("");
-    let reply: Vec<::redis::Value> = plain.invoke_async(&mut conn).await.unwrap();
-    assert_eq!(reply.first(), Some(&::redis::Value::Int(4)), "{reply:?}");
-    for key in ["t:lock:r", "t:fence:r"] {
+    for key in ["t:lock:r", "t:fence:r", "t:queue:r"] {
         let exists = server.cli(&["EXISTS", key]).unwrap();
         assert_eq!(String::from_utf8_lossy(&exists.stdout).trim(), "0", "{key}");
     }

@@ -64,7 +64,7 @@ impl RedisUrl {
         let value = holder_value(owner, ttl, SystemTime::now(), &meta);
         RedisPairCalls {
             acquire: RedisScriptCall {
-                source: scripts::ACQUIRE_SOURCE.to_owned(),
+                source: scripts::acquire_source(),
                 keys: vec![
                     k.lock.clone(),
                     k.fence,

@@ -159,10 +159,46 @@ fn with_shared(body: &str) -> Script {
 ///
 /// Taking the lock and reading who held it are one `SET NX PX GET`, which needs Redis 7.0;
 /// older servers get a clear error instead. A new node's id is its clock at the first grant.
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_SOURCE));
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(&acquire_source()));
 
 /// The text of [`ACQUIRE`].
-pub(crate) const ACQUIRE_SOURCE: &str = r#"
+pub(crate) fn acquire_source() -> String {
+    format!(
+        "{GRANT_PROLOGUE}{}",
+        ACQUIRE_BODY.replace("{REFUSE}", REFUSE)
+    )
+}
+
+/// How both acquire scripts refuse a lock held by another (its value `cur`, or nil when the
+/// lock is free and another fair waiter heads the queue): the holder's wait flag goes up, so
+/// that its release announces itself, and the reply names the holder, its time left and its
+/// token (see [`ACQUIRE`]). A value not in this layout (another client's, or an older layout's
+/// bare owner) is left as it is: its holder could not release it otherwise. Shared as text,
+/// as [`GRANT_PROLOGUE`] is.
+const REFUSE: &str = r#"
+local pttl = redis.call('PTTL', KEYS[1])
+local nl = cur and string.find(cur, '\n', 1, true)
+local q = nl and string.byte(cur, nl + 2)
+if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
+    and string.byte(cur, nl + 3) == 10 and pttl > 0 then
+  redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
+end
+local counter = redis.call('GET', KEYS[2])
+if node == ARGV[3] then
+  if not cur then
+    return 'H' .. pttl
+  end
+  return 'H' .. pttl .. ' ' .. (counter or '') .. '\n' .. cur
+end
+return {0, pttl, node, cur, counter}
+"#;
+
+/// The start both acquire scripts share: the version check, the node id (made at a node's
+/// first grant), the value and TTL, and the limits: the TTL cap, and the quota when one is
+/// stored (the client's `held` set then needed, and the grant counted in it). Shared as text,
+/// not as a Lua function, as a function defined in a script is a closure made on every call.
+/// It leaves `owner` unset when no quota needed it.
+const GRANT_PROLOGUE: &str = r#"
 if not redis.REDIS_VERSION_NUM then
   return redis.error_reply('fencelock needs Redis 7.0 or later')
 end
@@ -197,6 +233,10 @@ if lim then
     value = string.sub(value, 1, #owner + 2) .. '1' .. string.sub(value, #owner + 4)
   end
 end
+"#;
+
+/// What [`ACQUIRE`] runs after [`GRANT_PROLOGUE`].
+const ACQUIRE_BODY: &str = r#"
 local cur = redis.call('SET', KEYS[1], value, 'NX', 'PX', ttl, 'GET')
 if cur then
   owner = owner or string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
@@ -204,21 +244,8 @@ end
 -- The owner's own value starts with the owner and a newline: `find` tells it without making
 -- a string, where comparing a prefix would make one on every call.
 if cur and (string.find(cur, owner, 1, true) ~= 1 or string.byte(cur, #owner + 1) ~= 10) then
-  -- Refused: the holder's wait flag goes up, so its release announces itself. A value not in
-  -- this layout (another client's, or an older layout's bare owner) is left as it is: its
-  -- holder could not release it otherwise.
-  local pttl = redis.call('PTTL', KEYS[1])
-  local nl = string.find(cur, '\n', 1, true)
-  local q = nl and string.byte(cur, nl + 2)
-  if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
-      and string.byte(cur, nl + 3) == 10 and pttl > 0 then
-    redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
-  end
-  local counter = redis.call('GET', KEYS[2])
-  if node == ARGV[3] then
-    return 'H' .. pttl .. ' ' .. (counter or '') .. '\n' .. cur
-  end
-  return {0, pttl, node, cur, counter}
+  -- Refused (see REFUSE).
+  {REFUSE}
 end
 if quota_now then
   redis.call('ZADD', KEYS[5], quota_now + tonumber(ttl), owner)
@@ -292,48 +319,25 @@ return {1, s, node}
 /// long as its clock did not step back across the restart.
 ///
 /// A fair waiter is queued when the lock is held or another waiter is ahead of it; [`ACQUIRE`]
-/// is the same grant without the queue. Like it, this script defines a function only in the
-/// branch that needs it (the quota's), since a definition costs a closure on every call that
-/// runs it.
+/// is the same grant without the queue, and the two share their start ([`GRANT_PROLOGUE`]).
+/// Like it, this script defines no Lua function, since a definition costs a closure on every
+/// call that runs it.
 pub(crate) static ACQUIRE_FAIR: LazyLock<Script> =
-    LazyLock::new(|| Script::new(ACQUIRE_FAIR_SOURCE));
+    LazyLock::new(|| Script::new(&acquire_fair_source()));
 
 /// The text of [`ACQUIRE_FAIR`].
-pub(crate) const ACQUIRE_FAIR_SOURCE: &str = r#"
-if not redis.REDIS_VERSION_NUM then
-  return redis.error_reply('fencelock needs Redis 7.0 or later')
-end
-local node = redis.call('GET', KEYS[3])
-if not node then
-  local t = redis.call('TIME')
-  node = t[1] .. '.' .. t[2]
-  redis.call('SET', KEYS[3], node)
-end
-local value, ttl = ARGV[1], ARGV[2]
-local owner = string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
+pub(crate) fn acquire_fair_source() -> String {
+    format!(
+        "{GRANT_PROLOGUE}{}",
+        ACQUIRE_FAIR_BODY.replace("{REFUSE}", REFUSE)
+    )
+}
+
+/// What [`ACQUIRE_FAIR`] runs after [`GRANT_PROLOGUE`].
+const ACQUIRE_FAIR_BODY: &str = r#"
+owner = owner or string.sub(value, 1, string.find(value, '\n', 1, true) - 1)
 -- Redlock passes the place and the floor; one node neither.
 local redlock = ARGV[8] ~= nil
-local quota_now
-local lim = redis.call('GET', KEYS[4])
-if lim then
-  local mt, mh = string.match(lim, '^(%d+) (%d+)$')
-  mt, mh = tonumber(mt) or 0, tonumber(mh) or 0
-  if mt > 0 and tonumber(ttl) > mt then
-    return {2, 0, node, mt}
-  end
-  if mh > 0 then
-    if not KEYS[5] then
-      return {4, 0, node}
-    end
-    local t = redis.call('TIME')
-    quota_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', quota_now)
-    if not (redis.call('ZSCORE', KEYS[5], owner) or redis.call('ZCARD', KEYS[5]) < mh) then
-      local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
-      return {3, math.max(1, tonumber(first[2]) - quota_now), node, mh}
-    end
-  end
-end
 local plen = tonumber(ARGV[6])
 local prefix, name = string.sub(KEYS[1], 1, plen), string.sub(KEYS[1], plen + 6)
 local queue, qexp = prefix .. 'queue:' .. name, prefix .. 'qexp:' .. name
@@ -393,22 +397,8 @@ if not ours then
         redis.call('PEXPIRE', qinfo, 3 * fair)
       end
     end
-    -- Refused: the holder's wait flag goes up (see ACQUIRE).
-    local pttl = redis.call('PTTL', KEYS[1])
-    local nl = cur and string.find(cur, '\n', 1, true)
-    local q = nl and string.byte(cur, nl + 2)
-    if nl and string.byte(cur, nl + 1) == 48 and (q == 48 or q == 49)
-        and string.byte(cur, nl + 3) == 10 and pttl > 0 then
-      redis.call('SET', KEYS[1], string.sub(cur, 1, nl) .. '1' .. string.sub(cur, nl + 2), 'KEEPTTL')
-    end
-    local counter = redis.call('GET', KEYS[2])
-    if node == ARGV[3] then
-      if not cur then
-        return 'H' .. pttl
-      end
-      return 'H' .. pttl .. ' ' .. (counter or '') .. '\n' .. cur
-    end
-    return {0, pttl, node, cur, counter}
+    -- Refused (see REFUSE).
+    {REFUSE}
   end
   if head then
     redis.call('ZREM', queue, owner)
