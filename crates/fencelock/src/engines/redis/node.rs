@@ -83,23 +83,9 @@ impl Node {
         self.bounded(inv.invoke_async::<T>(&mut conn), limit).await
     }
 
-    /// [`run`](Self::run), as a future that owns all it needs, so that it can finish on its
-    /// own after its caller stopped waiting for it.
-    pub(super) fn run_owned<T>(
-        &self,
-        inv: redis::ScriptInvocation<'static>,
-        limit: Duration,
-    ) -> impl std::future::Future<Output = NodeResult<T>> + Send + 'static
-    where
-        T: redis::FromRedisValue + Send + 'static,
-    {
-        let mut conn = self.conn.clone();
-        let (kind, addr) = (self.kind, self.addr.clone());
-        async move { bounded(kind, &addr, inv.invoke_async::<T>(&mut conn), limit).await }
-    }
-
-    /// What [`run_owned`](Self::run_owned) needs of the node, to run a script later from a
-    /// future that owns it.
+    /// What running a script on the node needs, owned: for a future that must be able to
+    /// finish on its own after its caller stopped waiting for it (see
+    /// [`RedisEngine::ask_until`](super::RedisEngine::ask_until)).
     pub(super) fn owned(&self) -> OwnedNode {
         OwnedNode {
             kind: self.kind,
@@ -188,14 +174,15 @@ pub(super) struct OwnedNode {
 impl OwnedNode {
     /// Runs a script with a deadline, as [`Node::run`].
     pub(super) async fn run<T: redis::FromRedisValue>(
-        mut self,
+        &self,
         inv: redis::ScriptInvocation<'_>,
         limit: Duration,
     ) -> NodeResult<T> {
+        let mut conn = self.conn.clone();
         bounded(
             self.kind,
             &self.addr,
-            inv.invoke_async::<T>(&mut self.conn),
+            inv.invoke_async::<T>(&mut conn),
             limit,
         )
         .await

@@ -46,30 +46,20 @@ impl RedisEngine {
             inv.arg(owner).arg(mode);
             inv
         };
-        let with_held = self.quota_seen();
-        let first = node.run_owned::<i64>(
-            invoke(
-                &keys.lock,
-                owner,
-                with_held.then_some(self.held_key.as_str()),
-            ),
-            limit,
-        );
-        // What it takes to send the release again with the `held` set, which the script asks
-        // for (answering 2 and changing nothing) when the grant was counted under a quota this
-        // client had not seen yet.
-        let again = (!with_held).then(|| {
-            let (lock, owner, held) = (keys.lock.clone(), owner.to_owned(), self.held_key.clone());
-            let (node, seen) = (node.owned(), self.quota_seen.clone());
-            move || {
-                seen.store(true, Ordering::Relaxed);
-                node.run::<i64>(invoke(&lock, &owner, Some(&held)), limit)
-            }
-        });
+        let (node, lock, owner) = (node.owned(), keys.lock.clone(), owner.to_owned());
+        let (held, seen) = (self.held_key.clone(), self.quota_seen.clone());
         async move {
-            match (first.await?, again) {
-                (2, Some(again)) => Ok(again().await? == 1),
-                (answer, _) => Ok(answer == 1),
+            let with_held = seen.load(Ordering::Relaxed);
+            let call = invoke(&lock, &owner, with_held.then_some(held.as_str()));
+            match node.run::<i64>(call, limit).await? {
+                // The grant was counted under a quota this client had not seen yet: the script
+                // changed nothing and asks for the `held` set, which it gets from now on.
+                2 if !with_held => {
+                    seen.store(true, Ordering::Relaxed);
+                    let call = invoke(&lock, &owner, Some(&held));
+                    Ok(node.run::<i64>(call, limit).await? == 1)
+                }
+                answer => Ok(answer == 1),
             }
         }
     }

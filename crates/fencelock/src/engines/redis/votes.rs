@@ -45,7 +45,7 @@ impl RedisEngine {
     /// released lock until its TTL ended.
     pub(super) async fn ask_until<'a, T, Fut>(
         &'a self,
-        ask: impl FnMut(&'a Node) -> Fut,
+        mut ask: impl FnMut(&'a Node) -> Fut,
         decided: impl Fn(&[&T]) -> bool,
     ) -> Tally<'a, T>
     where
@@ -53,7 +53,6 @@ impl RedisEngine {
         Fut: std::future::Future<Output = NodeResult<T>> + Send + 'static,
     {
         use futures_util::stream::{FuturesUnordered, StreamExt};
-        let mut ask = ask;
         // One node decides alone: its answer is awaited in place, with none of the set of
         // futures below, which costs more than the rest of a release's client work.
         if let [node] = self.nodes.as_slice() {
