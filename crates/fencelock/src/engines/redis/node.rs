@@ -79,8 +79,7 @@ impl Node {
         inv: redis::ScriptInvocation<'_>,
         limit: Duration,
     ) -> NodeResult<T> {
-        let mut conn = self.conn.clone();
-        self.bounded(inv.invoke_async::<T>(&mut conn), limit).await
+        run_script(self.kind, &self.addr, &self.conn, inv, limit).await
     }
 
     /// What running a script on the node needs, owned: for a future that must be able to
@@ -178,15 +177,20 @@ impl OwnedNode {
         inv: redis::ScriptInvocation<'_>,
         limit: Duration,
     ) -> NodeResult<T> {
-        let mut conn = self.conn.clone();
-        bounded(
-            self.kind,
-            &self.addr,
-            inv.invoke_async::<T>(&mut conn),
-            limit,
-        )
-        .await
+        run_script(self.kind, &self.addr, &self.conn, inv, limit).await
     }
+}
+
+/// Runs a script on the node at `addr` with a deadline; errors become text naming the node.
+async fn run_script<T: redis::FromRedisValue>(
+    kind: &'static str,
+    addr: &str,
+    conn: &ConnectionManager,
+    inv: redis::ScriptInvocation<'_>,
+    limit: Duration,
+) -> NodeResult<T> {
+    let mut conn = conn.clone();
+    bounded(kind, addr, inv.invoke_async::<T>(&mut conn), limit).await
 }
 
 /// Waits for one request to the node at `addr` with a deadline; errors become text naming the
