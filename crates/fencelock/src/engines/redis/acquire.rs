@@ -110,43 +110,31 @@ impl RedisEngine {
         (floor, value): (u64, &str),
         limit: Duration,
     ) -> NodeResult<NodeAttempt> {
-        let inv = match fair {
-            None => {
-                let mut inv = scripts::ACQUIRE.prepare_invoke();
-                inv.key(&keys.lock)
-                    .key(&keys.fence)
-                    .key(&self.node_key)
-                    .key(&self.limits_key);
-                if self.quota_seen() {
-                    inv.key(&self.held_key);
-                }
-                inv.arg(value).arg(ms(req.ttl)).arg(node.known_id());
-                if !self.one_node() {
-                    inv.arg(floor);
-                }
-                inv
-            }
-            Some((window, since)) => {
-                let mut inv = scripts::ACQUIRE_FAIR.prepare_invoke();
-                inv.key(&keys.lock)
-                    .key(&keys.fence)
-                    .key(&self.node_key)
-                    .key(&self.limits_key);
-                if self.quota_seen() {
-                    inv.key(&self.held_key);
-                }
-                inv.arg(value)
-                    .arg(ms(req.ttl))
-                    .arg(node.known_id())
-                    .arg(ms(window))
-                    .arg(&self.channel)
-                    .arg(self.prefix.len());
-                if !self.one_node() {
-                    inv.arg(self.queue_place(since)).arg(floor);
-                }
-                inv
-            }
+        let script = match fair {
+            None => &*scripts::ACQUIRE,
+            Some(_) => &*scripts::ACQUIRE_FAIR,
         };
+        let mut inv = script.prepare_invoke();
+        inv.key(&keys.lock)
+            .key(&keys.fence)
+            .key(&self.node_key)
+            .key(&self.limits_key);
+        if self.quota_seen() {
+            inv.key(&self.held_key);
+        }
+        inv.arg(value).arg(ms(req.ttl)).arg(node.known_id());
+        if let Some((window, _)) = fair {
+            inv.arg(ms(window))
+                .arg(&self.channel)
+                .arg(self.prefix.len());
+        }
+        // Only Redlock has a place to give a fair waiter and a floor to propose.
+        if !self.one_node() {
+            if let Some((_, since)) = fair {
+                inv.arg(self.queue_place(since));
+            }
+            inv.arg(floor);
+        }
         let reply: Value = node.run(inv, limit).await?;
         self.node_attempt(node, reply)
     }
@@ -156,7 +144,7 @@ impl RedisEngine {
     /// with the node's id otherwise.
     fn node_attempt(&self, node: &Node, reply: Value) -> NodeResult<NodeAttempt> {
         let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
-        let items = match reply {
+        let reply = match reply {
             Value::Int(token) => {
                 let token = u64::try_from(token).map_err(|_| bad())?;
                 return Ok(NodeAttempt::Granted(token));
@@ -174,7 +162,6 @@ impl RedisEngine {
             Value::Array(items) => items,
             _ => return Err(bad()),
         };
-        let reply = items;
         let id = reply.get(2).and_then(as_string).ok_or_else(bad)?;
         node.observe(&id, self.max_ttl);
         match reply.first().and_then(as_i64) {
