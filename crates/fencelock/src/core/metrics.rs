@@ -35,9 +35,9 @@
 //! [`Lease::extend`](crate::Lease::extend) calls count as renewals too.
 //!
 //! Counters start at zero (failure and loss counters at a resource's first acquisition in the
-//! process, a node's failure counter at its first call in the process, the stale-token counter once a fence
-//! has accepted a write for it): Prometheus' `increase()` cannot see the first increment of a
-//! series that appears with it. Install the recorder before the first acquisition: the zero
+//! process, a node's failure counter at its first call in the process, the stale-token counter
+//! once a fence has accepted a write for it): Prometheus' `increase()` cannot see the first
+//! increment of a series that appears with it. Install the recorder before the first acquisition: the zero
 //! is recorded once, not again at every acquisition, which would cost the uncontended path
 //! more than the rest of the client's work.
 //!
