@@ -463,7 +463,16 @@ fn spawn_waiter(
     waiter: Client,
     opts: LockOptions,
 ) -> tokio::task::JoinHandle<fencelock::Result<(fencelock::Lease, Client)>> {
-    tokio::spawn(async move { waiter.acquire("r", &opts).await.map(|l| (l, waiter)) })
+    spawn_named_waiter(waiter, "r", opts)
+}
+
+/// [`spawn_waiter`] on `name`.
+fn spawn_named_waiter(
+    waiter: Client,
+    name: &'static str,
+    opts: LockOptions,
+) -> tokio::task::JoinHandle<fencelock::Result<(fencelock::Lease, Client)>> {
+    tokio::spawn(async move { waiter.acquire(name, &opts).await.map(|l| (l, waiter)) })
 }
 
 /// The lease and client of a `spawn_waiter` task, which must have been handed the lock within
@@ -504,6 +513,52 @@ async fn a_handoff_passes_over_an_expired_queue_head() {
     assert_eq!(cli(&server, &["ZCARD", &queue]), "0");
     assert_eq!(cli(&server, &["ZSCORE", &qexp, &dead]), "");
     second.release().await.unwrap();
+}
+
+/// On Redlock a release wakes its own client's oldest fair waiter as it is sent, without
+/// waiting for the nodes' announcements. That early retry never takes the lock from the head of
+/// the queue: here another client's waiter queued first, and is granted first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redlock_release_wakes_its_own_fair_waiter_never_ahead_of_the_queue() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let url = backend_url(&nodes);
+    let holder = connect(&url).await;
+    let queue = holder.keys_for("r").unwrap()[2].1.clone();
+    let queued = |n: usize| {
+        let counts = || {
+            nodes
+                .iter()
+                .map(|s| cli(s, &["ZCARD", &queue]))
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            wait_until(Duration::from_secs(5), || counts()
+                .iter()
+                .all(|c| *c == n.to_string())),
+            "{n} waiters never stood in every node's queue: {:?}",
+            counts()
+        );
+    };
+    let lease = holder
+        .try_acquire("r", &LockOptions::default())
+        .await
+        .unwrap();
+    let other = spawn_waiter(connect(&url).await, slow_fair_waiter());
+    queued(1);
+    let own = spawn_waiter(holder.clone(), slow_fair_waiter());
+    queued(2);
+    lease.release().await.unwrap();
+    // Both waiters retry only every 4 s on their own: the announcements wake the head.
+    let (first, _other) = handed(other, Duration::from_secs(3)).await;
+    assert!(!own.is_finished());
+    let first_token = first.token();
+    first.release().await.unwrap();
+    let (second, _holder) = handed(own, Duration::from_secs(3)).await;
+    assert!(second.token() > first_token);
+    second.release().await.unwrap();
+    // A node whose part of a release came after a waiter's grant on the others still lists
+    // that waiter until its own release takes it out.
+    queued(0);
 }
 
 /// Every key of a FIFO queue expires on its own, within three entry windows, also when the
@@ -889,6 +944,41 @@ async fn a_handoff_respects_the_waiters_quota() {
         .unwrap()
         .unwrap();
     granted.release().await.unwrap();
+}
+
+/// A fair waiter within its client's quota is handed the lock by the release, and the grant is
+/// counted in its client's `held` set as its own attempt would count it: flagged in the lock's
+/// value, removed from the set by its release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_within_the_quota_counts_the_grant() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let holder = connect(&url).await;
+    let waiter = Client::builder(&url)
+        .client_name("counted")
+        .connect()
+        .await
+        .unwrap();
+    holder
+        .set_limits(&fencelock::Limits::default().with_max_held_per_client(2))
+        .await
+        .unwrap();
+    let held = holder
+        .try_acquire("y", &LockOptions::default())
+        .await
+        .unwrap();
+    let waiting = spawn_named_waiter(waiter, "y", slow_fair_waiter());
+    await_queued(&server, "fencelock:v1:queue:y", 1);
+    held.release().await.unwrap();
+    // The waiter retries only every 4 s on its own: within 3 s, only the handoff grants it.
+    let (lease, _waiter) = handed(waiting, Duration::from_secs(3)).await;
+    let value = cli(&server, &["GET", "fencelock:v1:lock:y"]);
+    assert_eq!(value.lines().next(), Some(lease.owner()));
+    assert_eq!(value.lines().nth(1), Some("01"), "{value:?}");
+    let set = "fencelock:v1:held:counted";
+    assert_eq!(cli(&server, &["ZRANGE", set, "0", "-1"]), lease.owner());
+    lease.release().await.unwrap();
+    assert_eq!(cli(&server, &["ZCARD", set]), "0");
 }
 
 /// A quota stored after a lease was granted: the renewal counts the lease in its client's

@@ -105,10 +105,15 @@ impl Client {
             .instrument(span.clone())
             .await
             .map_err(|e| this.inner.calls.named(e));
+        // A grant's label is its lease's, chosen once for all its series.
+        let label = match &result {
+            Ok(lease) => lease.metric_label().clone(),
+            Err(_) => crate::core::metrics::resource_label(name),
+        };
         let outcome = crate::core::metrics::acquire_finished(
             this.engine(),
-            this.backend(),
-            name,
+            &this.inner.calls.backend_metric_label(),
+            &label,
             started.elapsed(),
             result.as_ref().map(Lease::ttl).map_err(Error::kind),
         );
@@ -157,6 +162,7 @@ impl Client {
                     None => inner.meta.clone(),
                 },
             },
+            waits: !wait.is_zero(),
         };
         let mut pending = Pending {
             client: inner.clone(),

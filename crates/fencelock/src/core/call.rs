@@ -27,6 +27,14 @@ impl Calls {
         self.backend.as_deref().unwrap_or(SINGLE_BACKEND)
     }
 
+    /// [`Calls::backend_label`] as a metric label, shared rather than copied per series.
+    pub(crate) fn backend_metric_label(&self) -> crate::core::metrics::Label {
+        match &self.backend {
+            Some(b) => b.clone().into(),
+            None => crate::core::metrics::Label::const_str(SINGLE_BACKEND),
+        }
+    }
+
     /// `e`, naming this backend when it is one of a routed client's.
     pub(crate) fn named(&self, e: Error) -> Error {
         match &self.backend {

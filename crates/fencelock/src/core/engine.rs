@@ -50,6 +50,10 @@ pub(crate) struct AcquireRequest {
     /// What the grant records about its holder. For an election campaign on an engine without
     /// elections of its own, the campaign value stands in the client name.
     pub meta: HolderMeta,
+    /// Whether a refusal may be followed by waiting: only then does the engine subscribe the
+    /// attempt to release announcements. A `try_acquire` would drop the subscription unread,
+    /// and making it is the largest part of the client's work in an uncontended attempt.
+    pub waits: bool,
 }
 
 /// The engine's answer to one attempt.

@@ -24,9 +24,9 @@ pub(crate) struct LeaseState {
     pub ttl: Duration,
     pub engine: &'static str,
     /// The `backend` label of its metrics.
-    pub backend: Arc<str>,
+    pub backend: metrics::Label,
     /// The resource's metrics label, chosen once so that a lease's series never change.
-    pub label: String,
+    pub label: metrics::Label,
     deadline: Mutex<Instant>,
     lost: CancellationToken,
     lost_reason: OnceLock<String>,
@@ -52,7 +52,7 @@ impl LeaseState {
             token,
             ttl,
             engine: calls.engine,
-            backend: calls.backend_label().into(),
+            backend: calls.backend_metric_label(),
             deadline: Mutex::new(deadline),
             lost: CancellationToken::new(),
             lost_reason: OnceLock::new(),
@@ -172,6 +172,11 @@ impl Lease {
     /// with every write to the protected resource.
     pub fn token(&self) -> FencingToken {
         self.state.token
+    }
+
+    /// The resource's metrics label (see [`LeaseState::label`]).
+    pub(crate) fn metric_label(&self) -> &metrics::Label {
+        &self.state.label
     }
 
     /// The TTL the lease was granted (and is renewed) with.

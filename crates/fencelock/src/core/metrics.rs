@@ -78,7 +78,7 @@
 //! ```
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use metrics::Unit;
@@ -181,23 +181,29 @@ pub fn describe() {
     );
 }
 
+/// A label value shared by a lease's series without a copy per record: the resource and
+/// backend labels are made once (a resource's at its acquisition) and only their reference
+/// counts move after that.
+pub(crate) type Label = metrics::SharedString;
+
 /// The label value for `resource`: the name itself while fewer than
 /// [`MAX_RESOURCE_LABELS`] names have been seen, else `other`.
-pub(crate) fn resource_label(resource: &str) -> String {
-    static SEEN: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+pub(crate) fn resource_label(resource: &str) -> Label {
+    static SEEN: OnceLock<Mutex<HashSet<Arc<str>>>> = OnceLock::new();
     // An invalid name may be huge or full of control characters: never a label.
     if crate::core::name::validate_name(resource).is_err() {
-        return "other".to_owned();
+        return Label::const_str("other");
     }
     let mut seen = process_wide(&SEEN);
-    if seen.contains(resource) {
-        return resource.to_owned();
+    if let Some(known) = seen.get(resource) {
+        return Label::from(known.clone());
     }
     if seen.len() < MAX_RESOURCE_LABELS {
-        seen.insert(resource.to_owned());
-        return resource.to_owned();
+        let known: Arc<str> = resource.into();
+        seen.insert(known.clone());
+        return Label::from(known);
     }
-    "other".to_owned()
+    Label::const_str("other")
 }
 
 /// Why a lease was lost, as the `reason` label of [`LEASES_LOST`].
@@ -225,12 +231,11 @@ impl Loss {
 /// the outcome label, for the caller's span.
 pub(crate) fn acquire_finished(
     engine: &'static str,
-    backend: &str,
-    resource: &str,
+    backend: &Label,
+    label: &Label,
     elapsed: Duration,
     result: Result<Duration, ErrorKind>,
 ) -> &'static str {
-    let label = resource_label(resource);
     let (outcome, reason) = match result {
         Ok(_) => ("acquired", None),
         Err(ErrorKind::HeldByAnother) => ("held", Some("held")),
@@ -242,7 +247,7 @@ pub(crate) fn acquire_finished(
     metrics::histogram!(
         ACQUIRE_DURATION,
         "engine" => engine,
-        "backend" => backend.to_owned(),
+        "backend" => backend.clone(),
         "resource" => label.clone(),
         "outcome" => outcome
     )
@@ -250,13 +255,13 @@ pub(crate) fn acquire_finished(
     // Every reason's series exists from the resource's first acquisition on: `increase()`
     // cannot see the first increment of a series that appears with it. Registered once: ten
     // series touched on every acquisition cost more than the rest of the client's work.
-    let first = first_sight(engine, backend, &label);
+    let first = first_sight(engine, backend, label);
     for r in ["held", "timed_out", "engine", "invalid", "limit"] {
         if first || reason == Some(r) {
             metrics::counter!(
                 ACQUIRE_FAILURES,
                 "engine" => engine,
-                "backend" => backend.to_owned(),
+                "backend" => backend.clone(),
                 "resource" => label.clone(),
                 "reason" => r
             )
@@ -264,15 +269,15 @@ pub(crate) fn acquire_finished(
         }
     }
     if let Ok(ttl) = result {
-        metrics::gauge!(LEASE_TTL, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
+        metrics::gauge!(LEASE_TTL, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone())
             .set(ttl.as_secs_f64());
     }
     if first {
-        metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone()).increment(0);
-        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.clone())
+        metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone()).increment(0);
+        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone())
             .increment(0);
         for loss in [Loss::Expired, Loss::NotHolder, Loss::RenewalsFailed] {
-            lease_lost_by(engine, backend, &label, loss, 0);
+            lease_lost_by(engine, backend, label, loss, 0);
         }
     }
     outcome
@@ -303,65 +308,47 @@ fn first_sight(engine: &'static str, backend: &str, label: &str) -> bool {
     true
 }
 
-pub(crate) fn hold_ended(engine: &'static str, backend: &str, label: &str, held: Duration) {
-    metrics::histogram!(HOLD_DURATION, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned())
+pub(crate) fn hold_ended(engine: &'static str, backend: &Label, label: &Label, held: Duration) {
+    metrics::histogram!(HOLD_DURATION, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone())
         .record(held.as_secs_f64());
 }
 
-pub(crate) fn renewal(engine: &'static str, backend: &str, label: &str, extended: bool) {
-    metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned()).increment(1);
+pub(crate) fn renewal(engine: &'static str, backend: &Label, label: &Label, extended: bool) {
+    metrics::counter!(RENEWALS, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone()).increment(1);
     if !extended {
-        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.to_owned(), "resource" => label.to_owned())
+        metrics::counter!(RENEWAL_FAILURES, "engine" => engine, "backend" => backend.clone(), "resource" => label.clone())
             .increment(1);
     }
 }
 
-pub(crate) fn lease_lost(engine: &'static str, backend: &str, label: &str, loss: Loss) {
+pub(crate) fn lease_lost(engine: &'static str, backend: &Label, label: &Label, loss: Loss) {
     lease_lost_by(engine, backend, label, loss, 1);
 }
 
-fn lease_lost_by(engine: &'static str, backend: &str, label: &str, loss: Loss, n: u64) {
+fn lease_lost_by(engine: &'static str, backend: &Label, label: &Label, loss: Loss, n: u64) {
     metrics::counter!(
         LEASES_LOST,
         "engine" => engine,
-        "backend" => backend.to_owned(),
-        "resource" => label.to_owned(),
+        "backend" => backend.clone(),
+        "resource" => label.clone(),
         "reason" => loss.label()
     )
     .increment(n);
 }
 
-/// One call to `node` of an engine reached it or not. The failure counter starts at zero with
-/// the node's first call, so that `increase()` sees its first failure.
-pub(crate) fn node_answered(engine: &'static str, node: &str, reached: bool) {
-    // The gauge moves only when the node's state does (and at its first call), and the failure
-    // counter starts at zero then: a series recorded on every call costs the node's callers
-    // more than the rest of their client work.
-    let changed = {
-        type Last = HashMap<&'static str, HashMap<String, bool>>;
-        static LAST: OnceLock<Mutex<Last>> = OnceLock::new();
-        let mut last = process_wide(&LAST);
-        let nodes = last.entry(engine).or_default();
-        match nodes.get_mut(node) {
-            Some(was) if *was == reached => None,
-            Some(was) => {
-                *was = reached;
-                Some(false)
-            }
-            None => {
-                nodes.insert(node.to_owned(), reached);
-                Some(true)
-            }
-        }
-    };
-    if changed.is_some() {
-        metrics::gauge!(NODE_UP, "engine" => engine, "node" => node.to_owned()).set(if reached {
-            1.0
-        } else {
-            0.0
-        });
-    }
-    if !reached || changed == Some(true) {
+/// A call to `node` of an engine reached it or not, where that differs from the previous
+/// call's (or the call failed, or it is the node's `first` call in its client). The caller
+/// keeps the last state per node: the gauge moves only when it changes, and the failure
+/// counter starts at zero with the first call, so that `increase()` sees its first failure.
+/// A series recorded on every call would cost the node's callers more than the rest of their
+/// client work.
+pub(crate) fn node_answered(engine: &'static str, node: &str, reached: bool, first: bool) {
+    metrics::gauge!(NODE_UP, "engine" => engine, "node" => node.to_owned()).set(if reached {
+        1.0
+    } else {
+        0.0
+    });
+    if !reached || first {
         metrics::counter!(NODE_CALL_FAILURES, "engine" => engine, "node" => node.to_owned())
             .increment(u64::from(!reached));
     }
@@ -384,10 +371,10 @@ mod tests {
 
     #[test]
     fn invalid_names_are_never_labels() {
-        assert_eq!(resource_label(""), "other");
-        assert_eq!(resource_label("a\nb"), "other");
-        assert_eq!(resource_label(&"x".repeat(300)), "other");
-        assert_eq!(resource_label("metrics-unit-valid"), "metrics-unit-valid");
+        assert_eq!(&*resource_label(""), "other");
+        assert_eq!(&*resource_label("a\nb"), "other");
+        assert_eq!(&*resource_label(&"x".repeat(300)), "other");
+        assert_eq!(&*resource_label("metrics-unit-valid"), "metrics-unit-valid");
     }
 
     #[test]

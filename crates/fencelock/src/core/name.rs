@@ -21,6 +21,10 @@ pub fn validate_name(name: &str) -> Result<()> {
             name.len()
         )));
     }
+    // Printable ASCII, the usual name, is told byte by byte; only other names are decoded.
+    if name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Ok(());
+    }
     if let Some((at, c)) = name.char_indices().find(|(_, c)| c.is_control()) {
         return Err(Error::invalid(format!(
             "the resource name {name:?} contains the control character U+{:04X} at byte {at}; \

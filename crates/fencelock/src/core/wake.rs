@@ -18,9 +18,10 @@
 //!   concern it, or when its own pause ends.
 //! - **A release by this client** need not wait for the nodes' announcements: once the release
 //!   is written to every node's connection, [`Wakers::wake_ahead`] wakes the oldest waiter at
-//!   once (in the default, barging mode only), and its retry follows the release on each
-//!   connection, so the server runs it right after the release. The nodes' own announcements
-//!   of that release then reach the same waiter, still in its place, and are spent with it.
+//!   once (in fair mode only on Redlock, where no release hands the lock on), and its retry
+//!   follows the release on each connection, so the server runs it right after the release.
+//!   The nodes' own announcements of that release then reach the same waiter, still in its
+//!   place, and are spent with it.
 //! - **Only the waiter concerned wakes.** A waiter with a place is woken through its own
 //!   notification, by an announcement that names it or nobody; the resource's channel only
 //!   keeps the announcements for it to read. So a handoff to one of 16 waiters of a client
@@ -387,16 +388,20 @@ impl Wakers {
 
     /// This client's release of `name` has been written to the connection of each of `nodes`
     /// nodes, answers pending: wakes the oldest waiter of `name` with a place now, as if every
-    /// node had announced the release, if it waits in the default mode. Its retry then goes
-    /// out behind the release on every connection, which saves the trip of the nodes'
-    /// announcements before it. A fair waiter is left to the release's own handoff or
-    /// announcement, which name the head of the queue. Returns whether a waiter was woken.
-    pub(crate) fn wake_ahead(&self, name: &str, nodes: usize) -> bool {
+    /// node had announced the release. Its retry then goes out behind the release on every
+    /// connection, which saves the trip of the nodes' announcements before it.
+    ///
+    /// A fair waiter is woken so only where `fair_too` (Redlock, whose release hands nothing
+    /// on): the client's oldest waiter is the head of the queue unless another client's waiter
+    /// queued earlier, and then its retry is refused and changes nothing (a queued waiter keeps
+    /// its place). Where the release hands the lock to the head itself (one node), a fair
+    /// waiter is left to that handoff. Returns whether a waiter was woken.
+    pub(crate) fn wake_ahead(&self, name: &str, nodes: usize, fair_too: bool) -> bool {
         let map = self.entries();
         let Some(e) = map.get(name) else {
             return false;
         };
-        let Some(first) = e.waiters.first().filter(|w| !w.fair) else {
+        let Some(first) = e.waiters.first().filter(|w| fair_too || !w.fair) else {
             return false;
         };
         let owner = first.owner.clone();
@@ -579,10 +584,10 @@ mod tests {
     #[tokio::test]
     async fn a_release_on_its_way_wakes_the_oldest_barging_waiter_on_every_node() {
         let wakers = Arc::new(Wakers::default());
-        assert!(!wakers.wake_ahead("r", 3));
+        assert!(!wakers.wake_ahead("r", 3, false));
         let mut first = wakers.subscribe_as("r", "w1", 2, false);
         let mut second = wakers.subscribe_as("r", "w2", 2, false);
-        assert!(wakers.wake_ahead("r", 3));
+        assert!(wakers.wake_ahead("r", 3, false));
         // A quorum of nodes is heard at once; the next waiter is not woken.
         assert_eq!(concerning(&mut first, "w1").await, Some(None));
         assert_eq!(concerning(&mut second, "w2").await, None);
@@ -592,10 +597,14 @@ mod tests {
         first.settle();
         assert_eq!(concerning(&mut second, "w2").await, None);
 
-        // A fair waiter first in line is left to the release's handoff.
+        // A fair waiter first in line is left to the release's handoff on one node, and
+        // woken on Redlock, whose release hands nothing on.
         let fair = Arc::new(Wakers::default());
         let mut queued = fair.subscribe_as("q", "w1", 1, true);
-        assert!(!fair.wake_ahead("q", 1));
+        assert!(!fair.wake_ahead("q", 1, false));
         assert_eq!(concerning(&mut queued, "w1").await, None);
+        let mut on_quorum = fair.subscribe_as("q3", "w1", 2, true);
+        assert!(fair.wake_ahead("q3", 3, true));
+        assert_eq!(concerning(&mut on_quorum, "w1").await, Some(None));
     }
 }

@@ -44,6 +44,7 @@ async fn grant(engine: &dyn Engine, name: &str, owner: &str) -> FencingToken {
         owner: owner.into(),
         ttl: Duration::from_secs(60),
         meta: HolderMeta::current("holder".into()),
+        waits: false,
     };
     match engine.try_acquire(&req).await.unwrap() {
         Attempt::Granted(t) => t,
@@ -127,6 +128,43 @@ async fn etcd_deletes_only_the_expected_owner() {
     check_compare_and_delete(&cluster.url()).await;
 }
 
+/// A refused attempt carries a wake-up subscription only when its acquisition may wait: a
+/// `try_acquire` would drop it unread, and making it cost the uncontended attempt more client
+/// work than anything else the client did around the call.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+async fn check_only_a_waiting_attempt_subscribes(url: &str) {
+    let engine = open(url, &config()).await.unwrap().engine;
+    grant(&*engine, "w", "holder").await;
+    for waits in [false, true] {
+        let req = AcquireRequest {
+            name: "w".into(),
+            owner: "other".into(),
+            ttl: Duration::from_secs(60),
+            meta: HolderMeta::current("holder".into()),
+            waits,
+        };
+        match engine.try_acquire(&req).await.unwrap() {
+            Attempt::Held { wake, .. } => assert_eq!(wake.is_some(), waits, "waits: {waits}"),
+            Attempt::Granted(_) | Attempt::OverQuota { .. } => unreachable!("w is held"),
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_subscribes_only_an_attempt_that_may_wait() {
+    let server = fencelock_testkit::RedisServer::start().unwrap();
+    check_only_a_waiting_attempt_subscribes(&server.url()).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_subscribes_only_an_attempt_that_may_wait() {
+    let server = fencelock_testkit::PgServer::start().unwrap();
+    check_only_a_waiting_attempt_subscribes(&server.url()).await;
+    check_only_a_waiting_attempt_subscribes(&format!("{}?mode=lease", server.url())).await;
+}
+
 /// A grant straight to the engine, past every check the client makes (its own TTL cap among
 /// them): a 5-minute TTL under a stored `max-ttl` of one minute is refused by the engine
 /// itself, and nothing is left held.
@@ -145,6 +183,7 @@ async fn check_the_engine_refuses_a_ttl_above_its_cap(url: &str) {
         owner: "bypasser".into(),
         ttl: Duration::from_secs(300),
         meta: HolderMeta::current("holder".into()),
+        waits: false,
     };
     let e = engine.try_acquire(&req).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}");
@@ -314,6 +353,7 @@ async fn sqlite_file_of_an_older_version_gets_the_quota_column() {
         owner: "b".into(),
         ttl: Duration::from_secs(60),
         meta: HolderMeta::current("holder".into()),
+        waits: false,
     };
     assert!(matches!(
         engine.try_acquire(&req).await.unwrap(),

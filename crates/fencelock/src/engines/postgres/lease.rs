@@ -298,7 +298,7 @@ impl Engine for LeaseEngine {
 
     async fn try_acquire(&self, req: &AcquireRequest) -> Result<Attempt> {
         let key = self.shared.key(&req.name);
-        let wake = self.shared.subscribe(&req.name);
+        let wake = req.waits.then(|| self.shared.subscribe(&req.name));
         let now = unix_millis(SystemTime::now());
         let conn = self.client_for(&req.name).await?;
         let rows = self
@@ -352,7 +352,7 @@ impl Engine for LeaseEngine {
         Ok(Attempt::Held {
             retry_in: holder.as_ref().and_then(|h| h.ttl_left),
             holder,
-            wake: Some(Box::new(wake)),
+            wake: wake.map(Box::new),
         })
     }
 

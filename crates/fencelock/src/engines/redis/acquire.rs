@@ -26,7 +26,7 @@ use async_trait::async_trait;
 use redis::Value;
 
 use super::keys::Keys;
-use super::node::{Node, NodeResult};
+use super::node::{Node, NodeResult, ScriptCall};
 use super::release::Release;
 use super::values::{as_i64, as_string, as_u64, holder_from, holder_value, ms, pttl_of};
 use super::votes::errors_text;
@@ -114,13 +114,14 @@ impl RedisEngine {
             None => &*scripts::ACQUIRE,
             Some(_) => &*scripts::ACQUIRE_FAIR,
         };
-        let mut inv = script.prepare_invoke();
-        inv.key(&keys.lock)
-            .key(&keys.fence)
-            .key(&self.node_key)
-            .key(&self.limits_key);
-        if self.quota_seen() {
-            inv.key(&self.held_key);
+        let with_held = self.quota_seen();
+        let mut inv = ScriptCall::new(script, 4 + usize::from(with_held));
+        inv.arg(&keys.lock)
+            .arg(&keys.fence)
+            .arg(&self.node_key)
+            .arg(&self.limits_key);
+        if with_held {
+            inv.arg(&self.held_key);
         }
         inv.arg(value).arg(ms(req.ttl)).arg(node.known_id());
         if let Some((window, _)) = fair {
@@ -143,7 +144,7 @@ impl RedisEngine {
     /// shapes): a bare token or holder when the node's id is the one the client knows, a table
     /// with the node's id otherwise.
     fn node_attempt(&self, node: &Node, reply: Value) -> NodeResult<NodeAttempt> {
-        let bad = || format!("{}: unexpected reply to the acquire script", node.addr);
+        let bad = || format!("{}: unexpected reply to the acquire script", node.addr());
         let reply = match reply {
             Value::Int(token) => {
                 let token = u64::try_from(token).map_err(|_| bad())?;
@@ -227,9 +228,10 @@ impl RedisEngine {
         let keys = self.keys(&req.name);
         // Subscribed before the attempt is sent: a release announced after the refusal below
         // changes this receiver even if the waiter has not started waiting yet.
-        let wake = self
-            .wakers
-            .subscribe_as(&req.name, &req.owner, self.quorum, fair.is_some());
+        let wake = req.waits.then(|| {
+            self.wakers
+                .subscribe_as(&req.name, &req.owner, self.quorum, fair.is_some())
+        });
         let limit = self.node_timeout(req.ttl);
         let floor = self.floor();
         let value = holder_value(&req.owner, req.ttl, SystemTime::now(), &req.meta);
@@ -273,7 +275,9 @@ impl RedisEngine {
             // Raise the counter to `top` where it is lower, so a majority holds at least `top`.
             let at_top = |a: &NodeAttempt| matches!(a, NodeAttempt::Granted(t) if *t == top);
             if answers.raise_to(&keys.fence, top, at_top, limit).await {
-                wake.settle();
+                if let Some(wake) = wake {
+                    wake.settle();
+                }
                 if answers
                     .answers()
                     .any(|a| matches!(a, NodeAttempt::NeedsHeld))
@@ -352,7 +356,7 @@ impl RedisEngine {
         Ok(Some(Attempt::Held {
             holder,
             retry_in,
-            wake: Some(Box::new(wake)),
+            wake: wake.map(Box::new),
         }))
     }
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::node::{Node, NodeResult};
+use super::node::{Node, NodeResult, ScriptCall};
 use super::values::ms;
 use super::votes::Verdict;
 use super::{scripts, RedisEngine};
@@ -18,17 +18,19 @@ impl RedisEngine {
         let mut out = Vec::with_capacity(batch.len());
         let limit = self.op_timeout;
         for chunk in batch.chunks(EXTEND_CHUNK) {
-            let mut inv = scripts::EXTEND.prepare_invoke();
-            inv.key(&self.limits_key).key(&self.held_key);
+            let mut inv = ScriptCall::new(&scripts::EXTEND, 2 + chunk.len());
+            inv.arg(&self.limits_key).arg(&self.held_key);
             for r in chunk {
-                let k = self.keys(&r.name);
-                inv.key(k.lock).arg(&r.owner).arg(ms(r.ttl));
+                inv.arg(self.keys(&r.name).lock);
+            }
+            for r in chunk {
+                inv.arg(&r.owner).arg(ms(r.ttl));
             }
             let flags: Vec<i64> = node.run(inv, limit).await?;
             if flags.len() != chunk.len() {
                 return Err(format!(
                     "{}: unexpected reply to the extend script",
-                    node.addr
+                    node.addr()
                 ));
             }
             out.extend(flags);

@@ -25,7 +25,7 @@ impl RedisEngine {
             .iter()
             .zip(answers)
             .map(|(n, a)| StoredLimits {
-                node: n.addr.clone(),
+                node: n.addr().to_owned(),
                 limits: a.and_then(|v| match v {
                     None => Ok(None),
                     Some(text) => Limits::decode(&text)

@@ -109,7 +109,8 @@ pub(crate) async fn open(url: RedisUrl, cfg: &EngineConfig) -> Result<Opened> {
                 "cannot connect; check that the server is up and the URL is right (rediss:// \
                  if it serves TLS only)"
             };
-            Error::engine_failure(kind, format!("{}: {hint}", engine.nodes[0].addr)).with_source(e)
+            Error::engine_failure(kind, format!("{}: {hint}", engine.nodes[0].addr()))
+                .with_source(e)
         })?;
     }
     let engine = Arc::new(engine);

@@ -6,7 +6,8 @@
 //!   client. A client that first meets a node after its restart cannot tell; run Redis with
 //!   `appendfsync always` for correctness locks.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -25,12 +26,22 @@ struct NodeSeen {
 }
 
 pub(super) struct Node {
-    pub(super) addr: String,
-    /// `redis` or `redlock`, the `engine` label of the node's metrics.
-    kind: &'static str,
-    conn: ConnectionManager,
     seen: Mutex<NodeSeen>,
+    /// Its connection, name and reachability, also handed to futures that must outlive a call.
+    link: OwnedNode,
 }
+
+/// What the node's metrics last recorded of it, shared with its [`OwnedNode`]s: its series
+/// move only when that changes, found without a process-wide lookup on every call.
+struct Reach {
+    /// `host:port`, the `node` label.
+    addr: String,
+    /// 0 before the first call, then [`REACHED`] or [`NOT_REACHED`].
+    last: AtomicU8,
+}
+
+const REACHED: u8 = 1;
+const NOT_REACHED: u8 = 2;
 
 impl Node {
     /// A node that connects on its first call, and the client its wake-up subscription uses.
@@ -52,17 +63,29 @@ impl Node {
                 Error::engine_failure(kind, format!("node {}:{}", node.host, node.port))
                     .with_source(e)
             })?;
+        let addr = format!("{}:{}", node.host, node.port);
         let node = Node {
-            addr: format!("{}:{}", node.host, node.port),
-            kind,
-            conn,
+            link: OwnedNode {
+                kind,
+                reach: Arc::new(Reach {
+                    addr,
+                    last: AtomicU8::new(0),
+                }),
+                conn,
+            },
             seen: Mutex::new(NodeSeen::default()),
         };
         Ok((node, client))
     }
 
+    /// `host:port`, as the URL writes it (never its password): how errors and metrics name
+    /// the node.
+    pub(super) fn addr(&self) -> &str {
+        &self.link.reach.addr
+    }
+
     pub(super) async fn ping(&self, limit: Duration) -> redis::RedisResult<()> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.link.conn.clone();
         match tokio::time::timeout(limit, redis::cmd("PING").query_async::<String>(&mut conn)).await
         {
             Ok(r) => r.map(|_| ()),
@@ -76,21 +99,17 @@ impl Node {
     /// Runs a script with a deadline; errors become text naming the node.
     pub(super) async fn run<T: redis::FromRedisValue>(
         &self,
-        inv: redis::ScriptInvocation<'_>,
+        call: ScriptCall,
         limit: Duration,
     ) -> NodeResult<T> {
-        run_script(self.kind, &self.addr, &self.conn, inv, limit).await
+        self.link.run(call, limit).await
     }
 
     /// What running a script on the node needs, owned: for a future that must be able to
     /// finish on its own after its caller stopped waiting for it (see
     /// [`RedisEngine::ask_until`](super::RedisEngine::ask_until)).
     pub(super) fn owned(&self) -> OwnedNode {
-        OwnedNode {
-            kind: self.kind,
-            addr: self.addr.clone(),
-            conn: self.conn.clone(),
-        }
+        self.link.clone()
     }
 
     /// Runs one command with a deadline; errors become text naming the node.
@@ -99,7 +118,7 @@ impl Node {
         cmd: &redis::Cmd,
         limit: Duration,
     ) -> NodeResult<T> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.link.conn.clone();
         self.bounded(cmd.query_async::<T>(&mut conn), limit).await
     }
 
@@ -110,7 +129,7 @@ impl Node {
         pipe: &redis::Pipeline,
         limit: Duration,
     ) -> NodeResult<T> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.link.conn.clone();
         self.bounded(pipe.query_async::<T>(&mut conn), limit).await
     }
 
@@ -119,7 +138,7 @@ impl Node {
         request: impl std::future::Future<Output = redis::RedisResult<T>>,
         limit: Duration,
     ) -> NodeResult<T> {
-        bounded(self.kind, &self.addr, request, limit).await
+        bounded(self.link.kind, &self.link.reach, request, limit).await
     }
 
     /// Whether the node refuses this client's credentials: found by one PING, so that a wrong
@@ -129,7 +148,7 @@ impl Node {
         match self.ping(limit).await {
             Err(e) if is_auth_failure(&e) => Some(format!(
                 "{}: authentication failed ({e}); check the user and password in the URL",
-                self.addr
+                self.addr()
             )),
             _ => None,
         }
@@ -141,7 +160,7 @@ impl Node {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         match seen.id.as_deref() {
             Some(prev) if prev != id => {
-                tracing::warn!(node = %self.addr, "node lost its data (restarted); it sits out of quorum votes for one maximum TTL");
+                tracing::warn!(node = %self.addr(), "node lost its data (restarted); it sits out of quorum votes for one maximum TTL");
                 seen.sit_out_until = Some(Instant::now() + sit_out);
                 seen.id = Some(id.to_owned());
             }
@@ -164,40 +183,77 @@ impl Node {
 }
 
 /// A node's connection and name, owned: see [`Node::owned`].
+#[derive(Clone)]
 pub(super) struct OwnedNode {
+    /// `redis` or `redlock`, the `engine` label of the node's metrics.
     kind: &'static str,
-    addr: String,
+    reach: Arc<Reach>,
     conn: ConnectionManager,
 }
 
 impl OwnedNode {
-    /// Runs a script with a deadline, as [`Node::run`].
+    /// Runs a script with a deadline; errors become text naming the node.
     pub(super) async fn run<T: redis::FromRedisValue>(
         &self,
-        inv: redis::ScriptInvocation<'_>,
+        call: ScriptCall,
         limit: Duration,
     ) -> NodeResult<T> {
-        run_script(self.kind, &self.addr, &self.conn, inv, limit).await
+        run_script(self.kind, &self.reach, &self.conn, call, limit).await
     }
 }
 
-/// Runs a script on the node at `addr` with a deadline; errors become text naming the node.
+/// One call of a script, written as its `EVALSHA` command as the keys and arguments come:
+/// the driver's own invocation gathers each item in a buffer of its own and then copies them
+/// all into the command, about twenty allocations per acquire and release pair.
+pub(super) struct ScriptCall {
+    script: &'static redis::Script,
+    cmd: redis::Cmd,
+}
+
+impl ScriptCall {
+    /// A call of `script` with `keys` keys: the first `keys` items given to [`ScriptCall::arg`]
+    /// are its `KEYS`, the rest its `ARGV`.
+    pub(super) fn new(script: &'static redis::Script, keys: usize) -> ScriptCall {
+        // Room for an acquisition's items (its value, the holder, is the longest) without
+        // growing the buffers as they come; a batch of renewals grows them once or twice.
+        let mut cmd = redis::Cmd::with_capacity(12, 512);
+        cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+        ScriptCall { script, cmd }
+    }
+
+    pub(super) fn arg(&mut self, item: impl redis::ToRedisArgs) -> &mut ScriptCall {
+        self.cmd.arg(item);
+        self
+    }
+}
+
+/// Runs a script on the node with a deadline, loading it first where the node does not know
+/// it (a new or restarted node); errors become text naming the node.
 async fn run_script<T: redis::FromRedisValue>(
     kind: &'static str,
-    addr: &str,
+    reach: &Reach,
     conn: &ConnectionManager,
-    inv: redis::ScriptInvocation<'_>,
+    call: ScriptCall,
     limit: Duration,
 ) -> NodeResult<T> {
     let mut conn = conn.clone();
-    bounded(kind, addr, inv.invoke_async::<T>(&mut conn), limit).await
+    let request = async move {
+        match call.cmd.query_async(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                call.script.load_async(&mut conn).await?;
+                call.cmd.query_async(&mut conn).await
+            }
+            answer => answer,
+        }
+    };
+    bounded(kind, reach, request, limit).await
 }
 
 /// Waits for one request to the node at `addr` with a deadline; errors become text naming the
 /// node.
 async fn bounded<T>(
     kind: &'static str,
-    addr: &str,
+    reach: &Reach,
     request: impl std::future::Future<Output = redis::RedisResult<T>>,
     limit: Duration,
 ) -> NodeResult<T> {
@@ -211,7 +267,12 @@ async fn bounded<T>(
         Ok(Err(e)) => e.code().is_some() && !is_auth_failure(e),
         Err(_) => false,
     };
-    crate::core::metrics::node_answered(kind, addr, reached);
+    let addr = reach.addr.as_str();
+    let now = if reached { REACHED } else { NOT_REACHED };
+    let was = reach.last.swap(now, Ordering::Relaxed);
+    if was != now || !reached {
+        crate::core::metrics::node_answered(kind, addr, reached, was == 0);
+    }
     match answer {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) if is_auth_failure(&e) => Err(format!(

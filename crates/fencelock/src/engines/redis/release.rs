@@ -6,7 +6,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use super::keys::Keys;
-use super::node::{Node, NodeResult};
+use super::node::{Node, NodeResult, ScriptCall};
 use super::votes::Tally;
 use super::{scripts, RedisEngine};
 use crate::core::error::Result;
@@ -38,10 +38,10 @@ impl RedisEngine {
             + 2 * usize::from(self.one_node())
             + usize::from(release == Release::KeepWaiting);
         let invoke = move |lock: &str, owner: &str, held: Option<&str>| {
-            let mut inv = scripts::RELEASE.prepare_invoke();
-            inv.key(lock);
+            let mut inv = ScriptCall::new(&scripts::RELEASE, 1 + usize::from(held.is_some()));
+            inv.arg(lock);
             if let Some(held) = held {
-                inv.key(held);
+                inv.arg(held);
             }
             inv.arg(owner).arg(mode);
             inv
@@ -97,7 +97,7 @@ impl RedisEngine {
         let answers = match first {
             Poll::Ready(answers) => answers,
             Poll::Pending => {
-                self.wakers.wake_ahead(name, n);
+                self.wakers.wake_ahead(name, n, !self.one_node());
                 release.await
             }
         };

@@ -28,7 +28,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use redis::Value;
 
-use super::node::{Node, NodeResult};
+use super::node::{Node, NodeResult, ScriptCall};
 use super::values::{as_i64, as_string, as_u64, holder_from, pttl_of};
 use super::{keys, scripts, RedisEngine};
 use crate::core::engine::Engine;
@@ -182,11 +182,11 @@ impl RedisEngine {
         let limit = self.node_limit();
         let fields = draft.operator_fields();
         let answers = self.ask(|n| {
-            let mut inv = scripts::FORCE_RELEASE.prepare_invoke();
-            inv.key(&keys.lock)
-                .key(&keys.fence)
-                .key(keys.of("queue"))
-                .key(&audit)
+            let mut inv = ScriptCall::new(&scripts::FORCE_RELEASE, 4);
+            inv.arg(&keys.lock)
+                .arg(&keys.fence)
+                .arg(keys.of("queue"))
+                .arg(&audit)
                 .arg(expected_owner.unwrap_or(""))
                 .arg(floor)
                 .arg(keys.of("wake"))
@@ -206,7 +206,7 @@ impl RedisEngine {
             let Some((c, owner)) = counter.zip(owner) else {
                 return Err(format!(
                     "{}: unexpected reply to the forced release",
-                    node.addr
+                    node.addr()
                 ));
             };
             let value = v

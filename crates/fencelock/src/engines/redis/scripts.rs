@@ -4,8 +4,9 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-/// Lua functions the scripts that grant, hand over or force-release share; each of those
-/// scripts starts with them.
+/// Lua functions the scripts that renew and force-release share; each of those scripts starts
+/// with them. The scripts of every acquisition and release define none: a function defined in
+/// a script is a closure made on every call that runs it.
 ///
 /// The lock's value is the holder: `owner\nWQ\nttl\nacquired_at\nwho`, where `who` is the
 /// client's `pid\nhost\nclient` (the host without newlines, the client name last so it may hold
@@ -20,14 +21,6 @@ use redis::Script;
 /// a value it does not own only when it has that shape, so a value another client wrote with
 /// `SET NX PX` is never rewritten.
 const SHARED: &str = r#"
--- Removes the FIFO waiters whose queue entries expired by `now` (ms).
-local function prune_waiters(queue, qexp, qinfo, now)
-  for _, w in ipairs(redis.call('ZRANGEBYSCORE', qexp, '-inf', now)) do
-    redis.call('ZREM', queue, w)
-    redis.call('ZREM', qexp, w)
-    redis.call('HDEL', qinfo, w)
-  end
-end
 -- Advances the fencing counter to max(counter + 1, floor), with floor 0 meaning the server's
 -- clock in microseconds, and returns it as text. The floor is written first, reading the old
 -- counter in the same call: above the old counter (the usual case, as the floor is a clock in
@@ -67,12 +60,6 @@ local function count_held(held, owner, expires, ttl)
     redis.call('PEXPIRE', held, ttl)
   end
 end
--- Whether the client of set `held` may take one more lease under a quota of `mh` at `now`:
--- its expired entries go first; `owner`'s own entry (a retried grant) does not count.
-local function within_quota(held, owner, mh, now)
-  redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
-  return redis.call('ZSCORE', held, owner) or redis.call('ZCARD', held) < mh
-end
 -- Whether the lock's value `cur` is `owner`'s: it starts with the owner and a newline (`find`
 -- makes no string, where comparing a prefix would).
 local function owns(cur, owner)
@@ -81,10 +68,6 @@ end
 -- `owner`'s value `cur`, marked as counted in its client's set of held leases.
 local function counted_value(cur, owner)
   return string.sub(cur, 1, #owner + 2) .. '1' .. string.sub(cur, #owner + 4)
-end
--- The lock's value (see above), with `flags` the two flag bytes.
-local function meta_value(owner, flags, ttl, acquired_at, who)
-  return owner .. '\n' .. flags .. '\n' .. ttl .. '\n' .. acquired_at .. '\n' .. who
 end
 -- Its fields: owner, flags, ttl, acquired_at, pid, host, client; nil when malformed.
 local function meta_fields(meta)
@@ -527,12 +510,13 @@ pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(&rele
 
 /// The text of [`RELEASE`].
 pub(crate) fn release_source() -> String {
-    RELEASE_BODY.replace("{SHARED}", SHARED)
+    RELEASE_BODY.to_owned()
 }
 
-/// [`RELEASE`], with the [`SHARED`] functions defined only in the branch that hands the lock
-/// on: a function definition costs its closure on every call that runs it, and an uncontended
-/// release never needs them.
+/// [`RELEASE`]. It defines no Lua function: the branch that hands the lock on writes out the
+/// few steps of the grant it needs (the counter, the limits, the holder), where the [`SHARED`]
+/// functions would cost their closures on every handoff; and it builds the times it writes as
+/// text from the clock's digits, where a number turned into text is a formatted print.
 const RELEASE_BODY: &str = r#"
 local owner = ARGV[1]
 local cur = redis.call('GET', KEYS[1])
@@ -580,16 +564,22 @@ local head = heads[1]
 -- Without a queue (waiters in the default mode only) there is nobody to hand the lock to, and
 -- the handoff's functions and reads would only cost the release.
 if handoff and head then
-  {SHARED}
   local qexp, qinfo = key('qexp:'), key('qinfo:')
   local t = redis.call('TIME')
+  -- The clock's microseconds, six digits: the time as text is built from them, where a
+  -- number turned into text costs the script a formatted print.
+  local us = string.rep('0', 6 - #t[2]) .. t[2]
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- The head's entry is read anyway (its expiry cuts the grant's); the queue is pruned only
   -- when that entry has expired. An expired entry further back is pruned once it heads the
   -- queue, or by an attempt that finds the lock free.
   local left = tonumber(redis.call('ZSCORE', qexp, head) or '0') - now
   if left <= 0 then
-    prune_waiters(queue, qexp, qinfo, now)
+    for _, w in ipairs(redis.call('ZRANGEBYSCORE', qexp, '-inf', now)) do
+      redis.call('ZREM', queue, w)
+      redis.call('ZREM', qexp, w)
+      redis.call('HDEL', qinfo, w)
+    end
     heads = redis.call('ZRANGE', queue, 0, 1)
     head = heads[1]
     left = head and tonumber(redis.call('ZSCORE', qexp, head) or '0') - now or 0
@@ -599,25 +589,51 @@ if handoff and head then
   local counted = '0'
   if info then
     ttl, who, channel, held = cmsgpack.unpack(info)
-    local limits = string.sub(KEYS[1], 1, plen) .. 'limits'
-    local max_ttl, max_held = parse_limits(redis.call('GET', limits))
-    if (max_ttl > 0 and tonumber(ttl) > max_ttl)
-        or (max_held > 0 and not (held and within_quota(held, head, max_held, now))) then
-      info = nil
-    elseif max_held > 0 then
-      count_held(held, head, now + tonumber(ttl), ttl)
-      counted = '1'
+    -- The limits, checked for the head as its own attempt would (see GRANT_PROLOGUE).
+    local lim = redis.call('GET', string.sub(KEYS[1], 1, plen) .. 'limits')
+    if lim then
+      local mt, mh = string.match(lim, '^(%d+) (%d+)$')
+      mt, mh = tonumber(mt) or 0, tonumber(mh) or 0
+      if mt > 0 and tonumber(ttl) > mt then
+        info = nil
+      elseif mh > 0 then
+        if held then
+          redis.call('ZREMRANGEBYSCORE', held, '-inf', now)
+        end
+        if held and (redis.call('ZSCORE', held, head) or redis.call('ZCARD', held) < mh) then
+          redis.call('ZADD', held, now + tonumber(ttl), head)
+          if redis.call('PTTL', held) < tonumber(ttl) then
+            redis.call('PEXPIRE', held, ttl)
+          end
+          counted = '1'
+        else
+          info = nil
+        end
+      end
     end
   end
   if info then
-    local px = math.min(tonumber(ttl), left)
-    local s = advance(key('fence:'), tonumber(t[1]) * 1000000 + tonumber(t[2]))
+    -- The token: max(counter + 1, the clock in µs), the clock written in the same call that
+    -- reads the counter (see ACQUIRE).
+    local fence = key('fence:')
+    local s = t[1] .. us
+    local old = redis.call('SET', fence, s, 'GET')
+    if old and tonumber(old) >= tonumber(s) then
+      s = string.format('%.0f', tonumber(old) + 1)
+      redis.call('SET', fence, s)
+    end
     redis.call('ZREM', queue, head)
     redis.call('ZREM', qexp, head)
     redis.call('HDEL', qinfo, head)
-    -- The waiters behind are owed a wake-up by the new holder's release.
+    -- The waiters behind are owed a wake-up by the new holder's release. The grant expires
+    -- with the head's queue entry when that comes before its TTL.
     local waiting = heads[2] and '1' or '0'
-    redis.call('SET', KEYS[1], meta_value(head, waiting .. counted, ttl, now, who), 'PX', px)
+    local px = ttl
+    if left < tonumber(ttl) then
+      px = left
+    end
+    redis.call('SET', KEYS[1], head .. '\n' .. waiting .. counted .. '\n' .. ttl .. '\n'
+      .. t[1] .. string.sub(us, 1, 3) .. '\n' .. who, 'PX', px)
     redis.call('PUBLISH', channel, head .. ' ' .. s .. ' ' .. wake)
     return 1
   end

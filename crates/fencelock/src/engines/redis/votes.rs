@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 
-use super::node::{Node, NodeResult};
+use super::node::{Node, NodeResult, ScriptCall};
 use super::{scripts, RedisEngine};
 use crate::core::error::{Error, Result};
 
@@ -90,7 +90,7 @@ impl RedisEngine {
                 .zip(&self.nodes)
                 .map(|(a, n)| {
                     a.unwrap_or_else(|| {
-                        Err(format!("{}: not waited for, the others decided", n.addr))
+                        Err(format!("{}: not waited for, the others decided", n.addr()))
                     })
                 })
                 .collect(),
@@ -178,7 +178,7 @@ impl<'a, T> Tally<'a, T> {
             .iter()
             .zip(&engine.nodes)
             .filter(|(a, _)| matches!(a, Ok(v) if so(v)))
-            .map(|(_, n)| n.addr.as_str())
+            .map(|(_, n)| n.addr())
             .collect()
     }
 
@@ -231,8 +231,8 @@ impl<'a, T> Tally<'a, T> {
         }
         let raised = join_all(self.engine.nodes.iter().zip(&self.answers).map(|(n, a)| {
             let skip = matches!(a, Ok(v) if has_mark(v));
-            let mut inv = scripts::RAISE.prepare_invoke();
-            inv.key(fence).arg(mark);
+            let mut inv = ScriptCall::new(&scripts::RAISE, 1);
+            inv.arg(fence).arg(mark);
             async move {
                 if skip {
                     return Ok(false);

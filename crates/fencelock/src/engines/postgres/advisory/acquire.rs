@@ -63,7 +63,7 @@ impl AdvisoryEngine {
     pub(super) async fn attempt(&self, req: &AcquireRequest) -> Result<Attempt> {
         let key = advisory_key(&self.shared.prefix, &req.name);
         // Subscribed before the attempt, so a release right after the refusal is not missed.
-        let wake = self.shared.subscribe(&req.name);
+        let wake = req.waits.then(|| self.shared.subscribe(&req.name));
         let session = self.session(self.slot_of(key)).await?;
         let (reply, answer) = oneshot::channel();
         session
@@ -81,7 +81,7 @@ impl AdvisoryEngine {
                 Ok(Attempt::Held {
                     holder,
                     retry_in: None,
-                    wake: Some(Box::new(wake)),
+                    wake: wake.map(Box::new),
                 })
             }
             granted => Ok(granted),
