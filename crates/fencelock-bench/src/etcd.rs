@@ -8,15 +8,22 @@
 //! half the put rate means the lock adds nothing of its own. The bench counts those writes
 //! rather than trusting this: etcd's `etcd_server_proposals_committed_total` (its `/metrics`
 //! on the first endpoint) before and after a run of sequential pairs.
+//!
+//! A third figure is the floor of a Rust client: the engine's own two requests of one pair
+//! (the enqueue transaction, which creates the waiter key on a session lease and reads the
+//! queue's head, and the owner-checked delete) sent through the bare client one after the
+//! other, with nothing around them. `driver / puts` is what those two transactions cost etcd
+//! against two Puts, `fencelock / driver` what fencelock's client adds.
 
 use std::time::Duration;
 
-use etcd_client::{DeleteOptions, PutOptions};
+use etcd_client::{
+    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 
 use crate::engine::EtcdTarget;
-use crate::plumbing::{rate, Out, Stop};
+use crate::plumbing::{calls_per_s, rate, Out, Stop};
 use crate::uncontended::Uncontended;
 use crate::CONCURRENT_TASKS;
 
@@ -111,27 +118,86 @@ impl EtcdReference {
         Ok(after.saturating_sub(before) as f64 / f64::from(COUNTED_PAIRS))
     }
 
+    /// The engine's two requests of an uncontended pair through the bare client, for `dur`
+    /// after 20 untimed pairs: pairs per second. The session lease is granted once, as the
+    /// engine's is, and revoked at the end.
+    async fn driver_pairs(&self, dur: Duration, stop: &Stop) -> Result<f64, String> {
+        let mut c = self.client.clone();
+        let lease = c
+            .lease_grant(30, None)
+            .await
+            .map_err(|e| e.to_string())?
+            .id();
+        let waiters = format!("{}driver/", self.base);
+        let key = format!("{waiters}{lease:x}");
+        // A holder record of the engine's size (owner, host, pid, client, times, TTL).
+        let value = format!(
+            "owner={:032x}\nhost=bench-host\npid=4242\nclient=fencelock-bench\n\
+             acquired_at=1764892800000\nttl=30000",
+            1u128
+        );
+        let head = TxnOp::get(
+            waiters.clone(),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend)
+                    .with_limit(1),
+            ),
+        );
+        let pair = || {
+            let mut c = c.clone();
+            let enqueue = Txn::new()
+                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put(
+                        key.clone(),
+                        value.clone(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    ),
+                    head.clone(),
+                ])
+                .or_else([TxnOp::get(key.clone(), None), head.clone()]);
+            let key = key.clone();
+            async move {
+                let resp = c.txn(enqueue).await.map_err(|e| e.to_string())?;
+                let rev = resp
+                    .header()
+                    .map(|h| h.revision())
+                    .ok_or("no header in the enqueue's answer")?;
+                let delete = Txn::new()
+                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+                    .and_then([TxnOp::delete(key, None)]);
+                let deleted = c.txn(delete).await.map_err(|e| e.to_string())?;
+                if !deleted.succeeded() {
+                    return Err("the driver's delete found another key".to_owned());
+                }
+                Ok::<(), String>(())
+            }
+        };
+        let outcome = calls_per_s(dur, stop, pair).await;
+        let _ = c.lease_revoke(lease).await;
+        outcome
+    }
+
     /// Puts per second: `tasks` tasks sharing the client, each putting its own key for `dur`.
     async fn put_rate(&self, tasks: usize, dur: Duration, stop: &Stop) -> Result<f64, String> {
         let mut set = JoinSet::new();
         for t in 0..tasks {
-            let mut c = self.client.clone();
+            let c = self.client.clone();
             let key = format!("{}k{t}", self.base);
             let stop = stop.clone();
             set.spawn(async move {
-                for _ in 0..20 {
-                    c.put(key.clone(), "x", None::<PutOptions>)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                }
-                let (start, mut n) = (Instant::now(), 0u64);
-                while start.elapsed() < dur && !stop.is_set() {
-                    c.put(key.clone(), "x", None::<PutOptions>)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    n += 1;
-                }
-                Ok::<f64, String>(n as f64 / start.elapsed().as_secs_f64())
+                let put = || {
+                    let (mut c, key) = (c.clone(), key.clone());
+                    async move {
+                        c.put(key, "x", None::<PutOptions>)
+                            .await
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    }
+                };
+                calls_per_s(dur, &stop, put).await
             });
         }
         let mut total = 0.0;
@@ -174,6 +240,20 @@ impl EtcdReference {
             "reference: etcd Put rate, same client crate, same cluster; an acquire+release is \
              {writes:.2} raft writes (enqueue txn, delete txn)"
         ));
+        let driver = match self.driver_pairs(dur, stop).await {
+            Ok(pairs) => {
+                out.num("reference.etcd.c1.driver_pairs_per_s", pairs);
+                out.num(
+                    "reference.etcd.c1.fencelock_over_driver",
+                    seq.ops_per_s / pairs,
+                );
+                Some(pairs)
+            }
+            Err(e) => {
+                out.line(format!("  driver floor unavailable: {e}"));
+                None
+            }
+        };
         for (label, key, tasks, r) in [
             ("1 client", "c1", 1, seq),
             ("64 tasks", "tasks64", CONCURRENT_TASKS, par),
@@ -190,6 +270,17 @@ impl EtcdReference {
                     ));
                     out.num(&format!("reference.etcd.{key}.put_rps"), puts);
                     out.num(&format!("uncontended.{key}.etcd_ratio"), ratio);
+                    if let (Some(pairs), "c1") = (driver, key) {
+                        out.line(format!(
+                            "  {:<9} the engine's two requests through the bare client: \
+                             pairs {:>8}/s  pairs/puts {:.2}  fencelock/driver {:.2}",
+                            "driver",
+                            rate(pairs),
+                            pairs / puts,
+                            r.ops_per_s / pairs
+                        ));
+                        out.num("reference.etcd.c1.driver_over_puts", pairs / puts);
+                    }
                 }
                 Err(e) => out.line(format!("  {label:<9} unavailable: {e}")),
             }

@@ -79,39 +79,70 @@ pub(crate) struct Pairs {
     pub(crate) release: Samples,
 }
 
-/// Pairs of `try_acquire` + `release`, each on a name of its own (`name(i)`), until `dur` has
-/// passed. A few untimed pairs first keep connection set-up and script loading out of the
-/// figures.
+/// Pairs of `try_acquire` + `release`, each on a name of its own (`name(i)`), run in slices:
+/// libraries compared side by side take turns slice by slice, so that a machine whose speed
+/// drifts over seconds (a shared virtual machine's does, by a fifth) weighs on each alike. A
+/// few untimed pairs first keep connection set-up and script loading out of the figures.
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-pub(crate) async fn sequential<L: LockLib>(
-    lib: &L,
-    name: impl Fn(u64) -> String,
-    dur: Duration,
-    stop: &Stop,
-) -> Result<Pairs, L::Error> {
-    let mut i = 0;
-    for _ in 0..20 {
-        let guard = lib.try_acquire(&name(i)).await?;
-        lib.release(guard).await?;
-        i += 1;
+pub(crate) struct Sequential {
+    next: u64,
+    acquire: Vec<Duration>,
+    release: Vec<Duration>,
+    timed: Duration,
+}
+
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+impl Sequential {
+    /// The untimed pairs.
+    pub(crate) async fn start<L: LockLib>(
+        lib: &L,
+        name: impl Fn(u64) -> String,
+    ) -> Result<Sequential, L::Error> {
+        let mut run = Sequential {
+            next: 0,
+            acquire: Vec::new(),
+            release: Vec::new(),
+            timed: Duration::ZERO,
+        };
+        for _ in 0..20 {
+            let guard = lib.try_acquire(&name(run.next)).await?;
+            lib.release(guard).await?;
+            run.next += 1;
+        }
+        Ok(run)
     }
-    let (mut acquire, mut release) = (Vec::new(), Vec::new());
-    let start = Instant::now();
-    while start.elapsed() < dur && !stop.is_set() {
-        let n = name(i);
-        i += 1;
-        let t0 = Instant::now();
-        let guard = lib.try_acquire(&n).await?;
-        let t1 = Instant::now();
-        lib.release(guard).await?;
-        acquire.push(t1 - t0);
-        release.push(t1.elapsed());
+
+    /// Timed pairs until `dur` has passed.
+    pub(crate) async fn slice<L: LockLib>(
+        &mut self,
+        lib: &L,
+        name: impl Fn(u64) -> String,
+        dur: Duration,
+        stop: &Stop,
+    ) -> Result<(), L::Error> {
+        let start = Instant::now();
+        while start.elapsed() < dur && !stop.is_set() {
+            let n = name(self.next);
+            self.next += 1;
+            let t0 = Instant::now();
+            let guard = lib.try_acquire(&n).await?;
+            let t1 = Instant::now();
+            lib.release(guard).await?;
+            self.acquire.push(t1 - t0);
+            self.release.push(t1.elapsed());
+        }
+        self.timed += start.elapsed();
+        Ok(())
     }
-    Ok(Pairs {
-        per_s: acquire.len() as f64 / start.elapsed().as_secs_f64(),
-        acquire: Samples::new(acquire),
-        release: Samples::new(release),
-    })
+
+    /// The figures of every slice together.
+    pub(crate) fn pairs(self) -> Pairs {
+        Pairs {
+            per_s: self.acquire.len() as f64 / self.timed.as_secs_f64().max(f64::EPSILON),
+            acquire: Samples::new(self.acquire),
+            release: Samples::new(self.release),
+        }
+    }
 }
 
 /// When the last holder started its release, on the process's monotonic clock: the next

@@ -260,6 +260,29 @@ fn json_string(s: &str) -> String {
     out
 }
 
+/// Calls of `op` per second, one after another for `dur` (or until `stop`), after 20 untimed
+/// ones: the reference runs' loop of a server's own requests.
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub(crate) async fn calls_per_s<F, Fut>(
+    dur: Duration,
+    stop: &Stop,
+    mut op: F,
+) -> std::result::Result<f64, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<(), String>>,
+{
+    for _ in 0..20 {
+        op().await?;
+    }
+    let (start, mut n) = (tokio::time::Instant::now(), 0u64);
+    while start.elapsed() < dur && !stop.is_set() {
+        op().await?;
+        n += 1;
+    }
+    Ok(n as f64 / start.elapsed().as_secs_f64())
+}
+
 /// A rate with thousands separators, no decimals.
 pub(crate) fn rate(v: f64) -> String {
     if !v.is_finite() {

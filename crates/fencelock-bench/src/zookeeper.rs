@@ -12,11 +12,10 @@
 use std::time::Duration;
 
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 use zookeeper_client::{Acls, Client, CreateMode};
 
 use crate::engine::ZkTarget;
-use crate::plumbing::{rate, Out, Stop};
+use crate::plumbing::{calls_per_s, rate, Out, Stop};
 use crate::uncontended::Uncontended;
 use crate::CONCURRENT_TASKS;
 
@@ -61,15 +60,7 @@ impl ZkReference {
                         .map_err(|e| e.to_string())?;
                     c.delete(&path, None).await.map_err(|e| e.to_string())
                 };
-                for _ in 0..20 {
-                    pair().await?;
-                }
-                let (start, mut n) = (Instant::now(), 0u64);
-                while start.elapsed() < dur && !stop.is_set() {
-                    pair().await?;
-                    n += 1;
-                }
-                Ok::<f64, String>(n as f64 / start.elapsed().as_secs_f64())
+                calls_per_s(dur, &stop, pair).await
             });
         }
         let mut total = 0.0;

@@ -25,6 +25,8 @@ fn bench_on_etcd_reports_the_put_rate_reference_and_leaves_no_key() {
         "1 client  Put",
         "64 tasks  Put",
         "pairs/puts",
+        "driver    the engine's two requests through the bare client",
+        "fencelock/driver",
         "== 2. contention: 16 workers",
         "clean-up: released every lease; the etcd engine leaves no key",
     ] {

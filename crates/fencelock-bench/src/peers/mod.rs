@@ -1,9 +1,11 @@
 //! `fencelock-bench peers`: fencelock and rslock side by side, through one harness, on the same
 //! Redis node(s) in the same run. One process and the bench's 2-worker runtime; each library has
-//! one client (a fencelock `Client`, an rslock `LockManager`) shared by every worker; the runs
-//! are interleaved round by round (fencelock first in odd rounds, rslock first in even ones) so
-//! that a machine whose speed drifts weighs on both; each round also measures a plain `SET`
-//! round trip on the first node, the unit in which handoffs and utilisation are read.
+//! one client (a fencelock `Client`, an rslock `LockManager`) shared by every worker. So that a
+//! machine whose speed drifts weighs on both, the sequential loops (fencelock's, rslock's and
+//! the floors') take turns in slices of a quarter of a second within each round, and the
+//! contended runs are interleaved round by round (fencelock first in odd rounds, rslock first
+//! in even ones); each round also measures a plain `SET` round trip on the first node, the
+//! unit in which handoffs and utilisation are read.
 
 mod floor;
 mod handoff;
@@ -22,7 +24,7 @@ use tokio::task::JoinSet;
 
 use crate::cli::{connect, exit, fail, BackendArg, Exit};
 use crate::engine::Engine;
-use crate::harness::{self, Contention, Fencelock, LockLib, Pairs, ReleaseStart};
+use crate::harness::{self, Contention, Fencelock, LockLib, Pairs, ReleaseStart, Sequential};
 use crate::plumbing::{bounded, run_id, Out, Samples, Stop};
 use crate::servers::Servers;
 use crate::CLIENT_NAME;
@@ -36,6 +38,8 @@ const HOLD: Duration = Duration::from_millis(1);
 const TTL: Duration = Duration::from_secs(10);
 /// How long one contended acquire may wait, for both libraries.
 const WAIT: Duration = Duration::from_secs(10);
+/// The sequential loops take turns in slices of about this length.
+const SLICE: Duration = Duration::from_millis(250);
 /// `SET`s timed for the round trip, at the start and again at the end of every round.
 const ROUND_TRIP_SAMPLES: usize = 1000;
 
@@ -222,35 +226,17 @@ impl Libs {
     ) -> Result<Round> {
         let rtt_key = format!("{base}-round-trip");
         let mut rtt = round_trip(servers, &rtt_key).await?;
+        let (f_seq, s_seq, floors) = self.sequential(r, base, dur, stop).await?;
         // Odd rounds start with fencelock, even ones with rslock.
         let (fencelock, rslock, first) = if r % 2 == 1 {
-            let f = self.fencelock(r, base, dur, stop).await?;
-            let s = self.rslock(r, base, dur, stop).await?;
+            let f = self.fencelock(f_seq, base, dur, stop).await?;
+            let s = self.rslock(s_seq, base, dur, stop).await?;
             (f, s, "fencelock")
         } else {
-            let s = self.rslock(r, base, dur, stop).await?;
-            let f = self.fencelock(r, base, dur, stop).await?;
+            let s = self.rslock(s_seq, base, dur, stop).await?;
+            let f = self.fencelock(f_seq, base, dur, stop).await?;
             (f, s, "rslock")
         };
-        let mut floors = Vec::new();
-        for bare in &self.floors {
-            let kind = bare.scripts();
-            let seq = bounded(
-                dur,
-                harness::sequential(
-                    bare,
-                    |i| format!("{base}-{}-seq-{r}-{i}", kind.key()),
-                    dur,
-                    stop,
-                ),
-            )
-            .await?
-            .map_err(|e| {
-                eprintln!("fencelock-bench peers: {}: {e}", kind.label());
-                anyhow::Error::from(Exit(exit::UNAVAILABLE))
-            })?;
-            floors.push((kind, seq));
-        }
         let handoff = match &self.handoff {
             Some(floor) => {
                 let name = format!("{base}-handoff-floor-contended");
@@ -269,18 +255,82 @@ impl Libs {
         })
     }
 
-    async fn fencelock(&self, r: u32, base: &str, dur: Duration, stop: &Stop) -> Result<LibRound> {
-        let seq = bounded(
-            dur,
-            harness::sequential(
-                &*self.default,
-                |i| format!("{base}-fencelock-seq-{r}-{i}"),
-                dur,
-                stop,
-            ),
-        )
-        .await?
-        .map_err(fail)?;
+    /// The sequential loops of fencelock, rslock and the floors, each `dur` in all, taking
+    /// turns in slices of about [`SLICE`] (see [`harness::Sequential`]): fencelock and rslock
+    /// swap places from one slice to the next, and the floors follow them.
+    async fn sequential(
+        &self,
+        r: u32,
+        base: &str,
+        dur: Duration,
+        stop: &Stop,
+    ) -> Result<(Pairs, Pairs, Vec<(Scripts, Pairs)>)> {
+        let slices = u32::try_from(dur.as_millis() / SLICE.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
+        let slice = dur / slices;
+        let f_name = |i: u64| format!("{base}-fencelock-seq-{r}-{i}");
+        let s_name = |i: u64| format!("{base}-rslock-seq-{r}-{i}");
+        let floor_name = |kind: Scripts| move |i: u64| format!("{base}-{}-seq-{r}-{i}", kind.key());
+        let floor_failed = |kind: Scripts| {
+            move |e: redis::RedisError| {
+                eprintln!("fencelock-bench peers: {}: {e}", kind.label());
+                anyhow::Error::from(Exit(exit::UNAVAILABLE))
+            }
+        };
+        let mut f = bounded(dur, Sequential::start(&*self.default, f_name))
+            .await?
+            .map_err(fail)?;
+        let mut s = bounded(dur, Sequential::start(&*self.rslock, s_name))
+            .await?
+            .map_err(rslock_failed)?;
+        let mut floors = Vec::new();
+        for bare in &self.floors {
+            let kind = bare.scripts();
+            let run = bounded(dur, Sequential::start(bare, floor_name(kind)))
+                .await?
+                .map_err(floor_failed(kind))?;
+            floors.push(run);
+        }
+        for k in 0..slices {
+            for fencelock_turn in if (k + r) % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            } {
+                if fencelock_turn {
+                    bounded(slice, f.slice(&*self.default, f_name, slice, stop))
+                        .await?
+                        .map_err(fail)?;
+                } else {
+                    bounded(slice, s.slice(&*self.rslock, s_name, slice, stop))
+                        .await?
+                        .map_err(rslock_failed)?;
+                }
+            }
+            for (bare, run) in self.floors.iter().zip(&mut floors) {
+                let kind = bare.scripts();
+                bounded(slice, run.slice(bare, floor_name(kind), slice, stop))
+                    .await?
+                    .map_err(floor_failed(kind))?;
+            }
+        }
+        let floors = self
+            .floors
+            .iter()
+            .zip(floors)
+            .map(|(bare, run)| (bare.scripts(), run.pairs()))
+            .collect();
+        Ok((f.pairs(), s.pairs(), floors))
+    }
+
+    async fn fencelock(
+        &self,
+        seq: Pairs,
+        base: &str,
+        dur: Duration,
+        stop: &Stop,
+    ) -> Result<LibRound> {
         let name = format!("{base}-fencelock-contended");
         let default = contend(&self.default, &name, dur, stop, fail).await?;
         let fair_name = format!("{base}-fencelock-contended-fair");
@@ -291,18 +341,7 @@ impl Libs {
         })
     }
 
-    async fn rslock(&self, r: u32, base: &str, dur: Duration, stop: &Stop) -> Result<LibRound> {
-        let seq = bounded(
-            dur,
-            harness::sequential(
-                &*self.rslock,
-                |i| format!("{base}-rslock-seq-{r}-{i}"),
-                dur,
-                stop,
-            ),
-        )
-        .await?
-        .map_err(rslock_failed)?;
+    async fn rslock(&self, seq: Pairs, base: &str, dur: Duration, stop: &Stop) -> Result<LibRound> {
         let name = format!("{base}-rslock-contended");
         let default = contend(&self.rslock, &name, dur, stop, rslock_failed).await?;
         Ok(LibRound {
