@@ -13,7 +13,11 @@
 //! (the enqueue transaction, which creates the waiter key on a session lease and reads the
 //! queue's head, and the owner-checked delete) sent through the bare client one after the
 //! other, with nothing around them. `driver / puts` is what those two transactions cost etcd
-//! against two Puts, `fencelock / driver` what fencelock's client adds.
+//! against two Puts, `fencelock / driver` what fencelock's client adds. Below it, the two
+//! writes alone: a Put of the waiter key on the session lease and a plain Delete, without the
+//! enqueue's compare and head read or the delete's owner check (not a lock: nothing tells its
+//! caller whether it holds anything). What separates that from two plain Puts is the lease;
+//! what separates the driver from it is the recipe's reads and compares.
 
 use std::time::Duration;
 
@@ -119,9 +123,15 @@ impl EtcdReference {
     }
 
     /// The engine's two requests of an uncontended pair through the bare client, for `dur`
-    /// after 20 untimed pairs: pairs per second. The session lease is granted once, as the
+    /// after 20 untimed pairs: pairs per second; with `writes_only`, only their two writes (a
+    /// Put on the lease and a plain Delete). The session lease is granted once, as the
     /// engine's is, and revoked at the end.
-    async fn driver_pairs(&self, dur: Duration, stop: &Stop) -> Result<f64, String> {
+    async fn driver_pairs(
+        &self,
+        dur: Duration,
+        stop: &Stop,
+        writes_only: bool,
+    ) -> Result<f64, String> {
         let mut c = self.client.clone();
         let lease = c
             .lease_grant(30, None)
@@ -159,7 +169,19 @@ impl EtcdReference {
                 ])
                 .or_else([TxnOp::get(key.clone(), None), head.clone()]);
             let key = key.clone();
+            let value = value.clone();
             async move {
+                if writes_only {
+                    c.put(
+                        key.clone(),
+                        value,
+                        Some(PutOptions::new().with_lease(lease)),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    c.delete(key, None).await.map_err(|e| e.to_string())?;
+                    return Ok(());
+                }
                 let resp = c.txn(enqueue).await.map_err(|e| e.to_string())?;
                 let rev = resp
                     .header()
@@ -240,7 +262,7 @@ impl EtcdReference {
             "reference: etcd Put rate, same client crate, same cluster; an acquire+release is \
              {writes:.2} raft writes (enqueue txn, delete txn)"
         ));
-        let driver = match self.driver_pairs(dur, stop).await {
+        let driver = match self.driver_pairs(dur, stop, false).await {
             Ok(pairs) => {
                 out.num("reference.etcd.c1.driver_pairs_per_s", pairs);
                 out.num(
@@ -251,6 +273,16 @@ impl EtcdReference {
             }
             Err(e) => {
                 out.line(format!("  driver floor unavailable: {e}"));
+                None
+            }
+        };
+        let bare_writes = match self.driver_pairs(dur, stop, true).await {
+            Ok(pairs) => {
+                out.num("reference.etcd.c1.writes_pairs_per_s", pairs);
+                Some(pairs)
+            }
+            Err(e) => {
+                out.line(format!("  two-write floor unavailable: {e}"));
                 None
             }
         };
@@ -280,6 +312,17 @@ impl EtcdReference {
                             r.ops_per_s / pairs
                         ));
                         out.num("reference.etcd.c1.driver_over_puts", pairs / puts);
+                    }
+                    if let (Some(pairs), "c1") = (bare_writes, key) {
+                        out.line(format!(
+                            "  {:<9} a Put on the session lease and a Delete, nothing else: \
+                             pairs {:>8}/s  pairs/puts {:.2}  driver/writes {}",
+                            "writes",
+                            rate(pairs),
+                            pairs / puts,
+                            driver.map_or("-".to_owned(), |d| format!("{:.2}", d / pairs))
+                        ));
+                        out.num("reference.etcd.c1.writes_over_puts", pairs / puts);
                     }
                 }
                 Err(e) => out.line(format!("  {label:<9} unavailable: {e}")),

@@ -27,6 +27,8 @@ fn bench_on_etcd_reports_the_put_rate_reference_and_leaves_no_key() {
         "pairs/puts",
         "driver    the engine's two requests through the bare client",
         "fencelock/driver",
+        "writes    a Put on the session lease and a Delete, nothing else",
+        "driver/writes",
         "== 2. contention: 16 workers",
         "clean-up: released every lease; the etcd engine leaves no key",
     ] {
