@@ -70,7 +70,10 @@ impl ZkEngine {
                 .bounded("watch the election", s.client.check_and_watch_stat(&lock))
                 .await?
             {
-                Ok((_, w)) => Some(w),
+                Ok((None, w)) => Some(w),
+                // Created since the children were asked for: a watch on its stat would miss
+                // the first candidate, so its children are watched instead, at once.
+                Ok((Some(_), _)) => return Ok(()),
                 Err(e) => return Err(zk_error("watch the election", e)),
             },
         };
