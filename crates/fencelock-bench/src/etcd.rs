@@ -156,32 +156,20 @@ impl EtcdReference {
             ),
         );
         let pair = || {
-            let mut c = c.clone();
-            let enqueue = Txn::new()
-                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                .and_then([
-                    TxnOp::put(
-                        key.clone(),
-                        value.clone(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    ),
-                    head.clone(),
-                ])
-                .or_else([TxnOp::get(key.clone(), None), head.clone()]);
-            let key = key.clone();
-            let value = value.clone();
+            let (mut c, key, value, head) = (c.clone(), key.clone(), value.clone(), head.clone());
             async move {
+                let on_lease = Some(PutOptions::new().with_lease(lease));
                 if writes_only {
-                    c.put(
-                        key.clone(),
-                        value,
-                        Some(PutOptions::new().with_lease(lease)),
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
+                    c.put(key.clone(), value, on_lease)
+                        .await
+                        .map_err(|e| e.to_string())?;
                     c.delete(key, None).await.map_err(|e| e.to_string())?;
                     return Ok(());
                 }
+                let enqueue = Txn::new()
+                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(key.clone(), value, on_lease), head.clone()])
+                    .or_else([TxnOp::get(key.clone(), None), head]);
                 let resp = c.txn(enqueue).await.map_err(|e| e.to_string())?;
                 let rev = resp
                     .header()
