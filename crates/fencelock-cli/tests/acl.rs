@@ -508,3 +508,70 @@ fn doctor_reports_the_acl_users(server: &RedisServer) {
     );
     assert!(!format!("{fit}{admin_user}{lacking}{ro}").contains(PASSWORD));
 }
+
+/// `redis://user@host?password_file=F` sent the user name as the password and never read the
+/// file (so did `$FENCELOCK_PASSWORD_FILE` and `$FENCELOCK_PASSWORD` beside `user@host`): the
+/// spelling docs/cli.md gives for the user `fencelock acl` creates was refused by the server.
+#[test]
+fn a_user_in_the_url_with_the_password_elsewhere_is_the_user() {
+    let server = RedisServer::start().unwrap();
+    apply_redis(&server, &acl_lines(&server.url(), "svc:", "svc"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pw");
+    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
+    let bare = format!("redis://svc@127.0.0.1:{}", server.port());
+    let run = |url: &str, env: &[(&str, &str)]| {
+        let mut cmd = fencelock_at(url, &["run", "--prefix", "svc:", "job", "--", "true"]);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.run(FINISH).unwrap();
+        assert!(out.status.success(), "{url} {env:?}: {}", out.stderr);
+    };
+    run(&format!("{bare}?password_file={}", file.display()), &[]);
+    run(
+        &bare,
+        &[("FENCELOCK_PASSWORD_FILE", &file.display().to_string())],
+    );
+    run(&bare, &[("FENCELOCK_PASSWORD", PASSWORD)]);
+    // Redis' password-only spelling still works when nothing else gives a password.
+    admin(&server, &["CONFIG", "SET", "requirepass", "only-pw"]);
+    run(&format!("redis://only-pw@127.0.0.1:{}", server.port()), &[]);
+}
+
+/// `fencelock doctor` as the least-privilege user `fencelock acl` prints reported every node
+/// unreachable (INFO is denied to that user) and exited 69.
+#[test]
+fn doctor_works_as_the_least_privilege_user() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start().unwrap()).collect();
+    for s in &servers {
+        apply_redis(s, &acl_lines(&s.url(), "svc:", "svc"));
+    }
+    let one = fencelock(&[
+        "doctor",
+        "--prefix",
+        "svc:",
+        "--backend",
+        &url_as(&servers[0], "svc"),
+    ])
+    .run(FINISH)
+    .unwrap();
+    assert!(one.status.success(), "{}{}", one.stdout, one.stderr);
+    assert!(
+        one.stdout.contains("reachable, Redis version unknown"),
+        "{}",
+        one.stdout
+    );
+    assert!(!one.stdout.contains("unreachable"), "{}", one.stdout);
+    let nodes: Vec<String> = servers
+        .iter()
+        .map(|s| format!("127.0.0.1:{}", s.port()))
+        .collect();
+    let quorum = format!("redlock://svc:{PASSWORD}@{}", nodes.join(","));
+    let q = fencelock(&["doctor", "--prefix", "svc:", "--backend", &quorum])
+        .run(FINISH)
+        .unwrap();
+    assert!(q.status.success(), "{}{}", q.stdout, q.stderr);
+    assert!(q.stdout.contains("was not checked"), "{}", q.stdout);
+    assert!(!q.stdout.contains(PASSWORD));
+}

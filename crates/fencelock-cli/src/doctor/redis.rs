@@ -95,11 +95,17 @@ pub(super) async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
         } else {
             f.ok(&format!("clocks within {spread:.1} ms of each other"));
         }
-        let mut distinct = run_ids.clone();
+        let known: Vec<&String> = run_ids.iter().flatten().collect();
+        let mut distinct = known.clone();
         distinct.sort();
         distinct.dedup();
-        if distinct.len() < run_ids.len() {
+        if distinct.len() < known.len() {
             f.warn("two URLs reach the same server: Redlock needs independent nodes");
+        } else if known.len() < run_ids.len() {
+            f.note(
+                "INFO is denied to this user, so whether two URLs reach the same server (Redlock \
+                 needs independent nodes) was not checked; run doctor as an administrator once",
+            );
         }
     }
     if quorum {
@@ -120,7 +126,8 @@ pub(super) async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
 
 struct Probe {
     version: String,
-    run_id: String,
+    /// `None` when INFO is denied to the user.
+    run_id: Option<String>,
     rtt: Duration,
     offset_ms: f64,
     appendonly: Option<String>,
@@ -147,12 +154,20 @@ async fn probe(mut conn: redis::aio::MultiplexedConnection) -> redis::RedisResul
     };
     let mid = (local(before) + local(after)) / 2.0;
     let server = secs as f64 + micros as f64 / 1e6;
-    let info: String = redis::cmd("INFO")
+    // The least-privilege user `fencelock acl` prints may not run INFO (fencelock needs it for
+    // nothing): then the version and the restart id are unknown, and the node is no less usable.
+    let info: Option<String> = match redis::cmd("INFO")
         .arg("server")
         .query_async(&mut conn)
-        .await?;
+        .await
+    {
+        Ok(info) => Some(info),
+        Err(e) if e.code() == Some("NOPERM") => None,
+        Err(e) => return Err(e),
+    };
     let field = |name: &str| {
-        info.lines()
+        info.as_deref()?
+            .lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(|v| v.trim().to_owned())
     };
@@ -170,8 +185,11 @@ async fn probe(mut conn: redis::aio::MultiplexedConnection) -> redis::RedisResul
         }
     };
     Ok(Probe {
-        version: field("redis_version").unwrap_or_else(|| "unknown".into()),
-        run_id: field("run_id").unwrap_or_default(),
+        version: match &info {
+            Some(_) => field("redis_version").unwrap_or_else(|| "unknown".into()),
+            None => "version unknown (INFO is denied to this user)".into(),
+        },
+        run_id: field("run_id"),
         rtt: median(rtts),
         offset_ms: (server - mid) * 1000.0,
         appendonly: config("appendonly").await,

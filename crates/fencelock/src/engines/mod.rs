@@ -223,10 +223,19 @@ fn with_password(url: &str) -> Result<String> {
         Some((c, h)) => (Some(c), h),
         None => (None, authority),
     };
-    // `redis://secret@host` is Redis' password-only spelling; elsewhere `user@host` is a user.
+    let env_file = std::env::var("FENCELOCK_PASSWORD_FILE")
+        .ok()
+        .filter(|f| !f.is_empty());
+    let env_password = std::env::var("FENCELOCK_PASSWORD")
+        .ok()
+        .filter(|p| !p.is_empty());
+    let elsewhere = file.is_some() || env_file.is_some() || env_password.is_some();
+    // `redis://secret@host` is Redis' password-only spelling, but only when no password comes
+    // from elsewhere: with `password_file=` or the variables, `user@host` names the ACL user
+    // (the spelling `fencelock acl` users are given), as it does for every other engine.
     let in_url = match creds.map(|c| c.split_once(':')) {
         Some(Some((_, p))) => !p.is_empty(),
-        Some(None) => matches!(scheme, "redis" | "rediss" | "redlock"),
+        Some(None) => matches!(scheme, "redis" | "rediss" | "redlock" | "redlocks") && !elsewhere,
         None => false,
     };
     let read = |path: &str, what: &str| -> Result<String> {
@@ -243,15 +252,10 @@ fn with_password(url: &str) -> Result<String> {
         None
     } else if let Some(f) = file {
         Some(read(f, "password_file= in the URL")?)
-    } else if let Some(f) = std::env::var("FENCELOCK_PASSWORD_FILE")
-        .ok()
-        .filter(|f| !f.is_empty())
-    {
+    } else if let Some(f) = env_file {
         Some(read(&f, "$FENCELOCK_PASSWORD_FILE")?)
     } else {
-        std::env::var("FENCELOCK_PASSWORD")
-            .ok()
-            .filter(|p| !p.is_empty())
+        env_password
     };
     let creds = match (creds, password) {
         (c, None) => c.map(str::to_owned),
@@ -430,6 +434,15 @@ mod url_tests {
         assert_eq!(
             with_password(&format!("redis://u:x@h:1/2?password_file={f}")).unwrap(),
             "redis://u:x@h:1/2"
+        );
+        // A user without a password, and the password in a file: the user stays the user.
+        assert_eq!(
+            with_password(&format!("redis://svc@h:1?password_file={f}")).unwrap(),
+            "redis://svc:p%40ss%20w@h:1"
+        );
+        assert_eq!(
+            with_password(&format!("redlocks://svc@a:1,b:2,c:3?password_file={f}")).unwrap(),
+            "redlocks://svc:p%40ss%20w@a:1,b:2,c:3"
         );
         let e = with_password("redis://h?password_file=/nonexistent/pw").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidInput);
