@@ -77,7 +77,7 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
     fencelock::validate_name(&args.name).map_err(fail)?;
     let client = connect(&args.backend, "fencelock-inspect").await?;
     let holder = client.inspect(&args.name).await.map_err(fail)?;
-    let on = client.backend_for(&args.name).map_err(fail)?;
+    let on = client.backend_for(&args.name).await.map_err(fail)?;
     let (engine, backend) = (on.engine(), on.backend());
     match (holder, args.json) {
         (Some(h), true) => println!("{}", held_json(&args.name, engine, backend, &h)),
@@ -100,11 +100,12 @@ pub async fn list(args: ListArgs) -> Result<u8> {
     let client = connect(&args.backend, "fencelock-list").await?;
     let locks = client.list(&args.name_prefix).await.map_err(fail)?;
     if args.json {
+        let engines = client.backends();
         let items: Vec<String> = locks
             .iter()
             .map(|l| {
-                let on = client.backends().into_iter().find(|(n, _)| *n == l.backend);
-                let engine = on.map_or(client.engine(), |(_, c)| c.engine());
+                let on = engines.iter().find(|(n, _)| *n == l.backend);
+                let engine = on.map_or(client.engine(), |(_, e)| e);
                 held_json(&l.resource, engine, &l.backend, &l.holder)
             })
             .collect();
