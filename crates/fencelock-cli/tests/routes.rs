@@ -1,10 +1,13 @@
 //! The routing configuration on the command line: where it is found and what wins over it,
 //! the errors of a bad one (exit 64, naming the field), `fencelock key` naming the backend,
 //! and `run`, `inspect`, `list`, `release --force` and `doctor` against two Redis servers (one
-//! with a password read from a file) and a SQLite default.
+//! with a password read from a file) and a SQLite default. With one backend stopped or killed,
+//! `run` on other names, `list` and `audit` serve the other backends and name the failed one.
 #![allow(clippy::unwrap_used)]
 
 mod common;
+
+use std::time::{Duration, Instant};
 
 use common::{poll_until, BinCommand, Sandbox, FINISH, WAIT_FOR_RELEASE};
 use fencelock_testkit::RedisServer;
@@ -274,4 +277,154 @@ fn commands_with_a_configuration_reach_each_name_s_backend() {
         ok(&sb, with_config(&sb, "routes.toml", "list", &[])).trim(),
         "no held locks"
     );
+}
+
+/// `routes.toml` in the sandbox: payments on one Redis server, jobs on another, the rest on
+/// the sandbox's SQLite file.
+fn two_redis_routes(sb: &Sandbox, payments: &RedisServer, jobs: &RedisServer) {
+    write(
+        sb,
+        "routes.toml",
+        &format!(
+            "[backends]\npayments = \"{}\"\njobs = \"{}\"\nlocal = \"{}\"\n\
+             [[route]]\nprefix = \"payments/\"\nbackend = \"payments\"\n\
+             [[route]]\nprefix = \"jobs/\"\nbackend = \"jobs\"\n[default]\nbackend = \"local\"\n",
+            payments.url(),
+            jobs.url(),
+            sb.url()
+        ),
+    );
+}
+
+/// `fencelock run --config routes.toml NAME -- true`: its exit and how long it took.
+fn run_true(sb: &Sandbox, name: &str) -> (Option<i32>, Duration, String) {
+    let started = Instant::now();
+    let out = sb.run(with_config(sb, "routes.toml", "run", &[name, "--", "true"]));
+    (out.code(), started.elapsed(), out.stderr)
+}
+
+/// What broke: with the payments backend stopped, every new process with the routing
+/// configuration (`run`, `list`, `audit` on names routed elsewhere) waited and exited 69.
+#[test]
+fn a_stopped_backend_fails_only_its_own_names_in_run_list_and_audit() {
+    let sb = Sandbox::new();
+    let mut payments = RedisServer::start().unwrap();
+    let jobs = RedisServer::start().unwrap();
+    two_redis_routes(&sb, &payments, &jobs);
+    // A lock held on jobs, one on the SQLite default, and a forced release audited on jobs.
+    let mut holders = Vec::new();
+    for name in ["jobs/held", "misc", "jobs/forced"] {
+        let script = format!(
+            "echo started > {}.started; {WAIT_FOR_RELEASE}",
+            name.replace('/', "-")
+        );
+        let mut cmd = with_config(&sb, "routes.toml", "run", &["--ttl", "30s", name]);
+        cmd.args(["--", "sh", "-c", &script]);
+        holders.push(sb.spawn(cmd));
+    }
+    for file in ["jobs-held", "misc", "jobs-forced"] {
+        let path = sb.path(&format!("{file}.started"));
+        assert!(
+            poll_until(FINISH, || std::fs::read_to_string(&path)
+                .is_ok_and(|s| s.ends_with('\n'))),
+            "{file} did not start"
+        );
+    }
+    ok(
+        &sb,
+        with_config(
+            &sb,
+            "routes.toml",
+            "release",
+            &[
+                "--force",
+                "--reason",
+                "vm deleted",
+                "--holder-is-dead",
+                "jobs/forced",
+            ],
+        ),
+    );
+
+    // Frozen (the kernel still accepts its connections), then killed.
+    payments.pause().unwrap();
+    let (code, took, err) = run_true(&sb, "jobs/nightly");
+    assert_eq!(code, Some(0), "{err}");
+    assert!(took < Duration::from_secs(2), "run on jobs took {took:?}");
+    println!("run on jobs with payments frozen: {took:?}");
+    payments.resume().unwrap();
+    payments.kill();
+    for name in ["jobs/nightly", "other"] {
+        let (code, took, err) = run_true(&sb, name);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        assert!(took < Duration::from_secs(2), "run {name} took {took:?}");
+        println!("run {name} with payments killed: {took:?}");
+    }
+    let (code, _, err) = run_true(&sb, "payments/7");
+    assert_eq!(code, Some(69), "{err}");
+    assert!(err.contains("backend payments"), "{err}");
+
+    // list and audit print what the healthy backends hold, name payments on stderr, exit 80.
+    let out = sb.run(with_config(&sb, "routes.toml", "list", &[]));
+    assert_eq!(out.code(), Some(80), "{out:?}");
+    let rows: Vec<(&str, &str)> = out
+        .stdout
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let mut cells = l.split_whitespace();
+            (cells.next().unwrap(), cells.next().unwrap())
+        })
+        .collect();
+    assert_eq!(rows, [("jobs/held", "jobs"), ("misc", "local")], "{out:?}");
+    assert!(
+        out.stderr.contains("backend payments (redis)"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("partial answer: the locks of backend(s) payments are not shown"),
+        "{}",
+        out.stderr
+    );
+    let out = sb.run(with_config(&sb, "routes.toml", "list", &["--json"]));
+    assert_eq!(out.code(), Some(80), "{out:?}");
+    assert!(out.stdout.contains("\"resource\":\"jobs/held\""), "{out:?}");
+    // A prefix routed elsewhere does not ask payments at all.
+    let out = ok(&sb, with_config(&sb, "routes.toml", "list", &["jobs/"]));
+    assert!(out.contains("jobs/held"), "{out}");
+    let out = sb.run(with_config(&sb, "routes.toml", "audit", &[]));
+    assert_eq!(out.code(), Some(80), "{out:?}");
+    assert!(out.stdout.contains("jobs/forced: forced by"), "{out:?}");
+    assert!(out.stdout.contains("vm deleted"), "{out:?}");
+    assert!(out.stderr.contains("backend payments"), "{out:?}");
+    let out = ok(
+        &sb,
+        with_config(&sb, "routes.toml", "audit", &["jobs/forced"]),
+    );
+    assert!(out.contains("vm deleted"), "{out}");
+    let out = ok(
+        &sb,
+        with_config(&sb, "routes.toml", "inspect", &["jobs/held"]),
+    );
+    assert!(out.starts_with("jobs/held: held by"), "{out}");
+
+    // With no backend answering there is nothing partial about it: exit 69, as on one URL.
+    write(
+        &sb,
+        "down.toml",
+        &format!(
+            "[backends]\npayments = \"{}\"\n[default]\nbackend = \"payments\"\n",
+            payments.url()
+        ),
+    );
+    let out = sb.run(with_config(&sb, "down.toml", "list", &[]));
+    assert_eq!(out.code(), Some(69), "{out:?}");
+    assert!(out.stderr.contains("backend payments"), "{out:?}");
+
+    std::fs::write(sb.path("release"), "").unwrap();
+    for mut h in holders {
+        h.wait(FINISH).unwrap();
+    }
 }
