@@ -2,15 +2,18 @@
 //! the errors of a bad one (exit 64, naming the field), `fencelock key` naming the backend,
 //! and `run`, `inspect`, `list`, `release --force` and `doctor` against two Redis servers (one
 //! with a password read from a file) and a SQLite default. With one backend stopped or killed,
-//! `run` on other names, `list` and `audit` serve the other backends and name the failed one.
+//! `run` on other names, `list`, `audit` and the sidecar (started with it down, or losing it
+//! while running) serve the other backends and name the failed one.
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod sidecar;
 
 use std::time::{Duration, Instant};
 
 use common::{poll_until, BinCommand, Sandbox, FINISH, WAIT_FOR_RELEASE};
 use fencelock_testkit::RedisServer;
+use sidecar::Sidecar;
 
 /// `fencelock SUB --config FILE ARGS...` in the sandbox.
 fn with_config(sb: &Sandbox, config: &str, sub: &str, args: &[&str]) -> BinCommand {
@@ -427,4 +430,157 @@ fn a_stopped_backend_fails_only_its_own_names_in_run_list_and_audit() {
     for mut h in holders {
         h.wait(FINISH).unwrap();
     }
+}
+
+/// The sidecar's JSON for `GET path`, retried until `ok` holds (the sidecar's client notices a
+/// dead backend on its next call) or `limit` passes.
+fn get_until(
+    sc: &Sidecar,
+    path: &str,
+    limit: Duration,
+    ok: impl Fn(u16, &serde_json::Value) -> bool,
+) -> (u16, serde_json::Value) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (status, body) = sc.get(path);
+        if ok(status, &body) || Instant::now() >= deadline {
+            return (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn resources(list: &serde_json::Value) -> Vec<(String, String)> {
+    list["locks"]
+        .as_array()
+        .unwrap_or(&Vec::new())
+        .iter()
+        .map(|l| {
+            (
+                l["resource"].as_str().unwrap_or("").to_owned(),
+                l["backend"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn failed(list: &serde_json::Value) -> Vec<String> {
+    list["failed_backends"]
+        .as_array()
+        .unwrap_or(&Vec::new())
+        .iter()
+        .map(|f| f["backend"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+/// What broke: `fencelock serve` with one backend of its routing configuration down did not
+/// start (exit 69), so it served none of the others.
+#[test]
+fn a_sidecar_started_with_a_backend_down_serves_the_others() {
+    let sb = Sandbox::new();
+    let mut payments = RedisServer::start().unwrap();
+    let jobs = RedisServer::start().unwrap();
+    two_redis_routes(&sb, &payments, &jobs);
+    payments.kill();
+    let config = sb.path("routes.toml");
+    let sc = Sidecar::start_with(
+        sb.path("").as_path(),
+        &["--config", config.to_str().unwrap()],
+    );
+    let lease = sc.acquire("jobs/nightly", 30_000, 0);
+    assert!(lease["token"].as_u64().is_some(), "{lease}");
+    let (status, refused) = sc.post(
+        "/v1/acquire",
+        serde_json::json!({"resource": "payments/7", "ttl_ms": 30000}),
+    );
+    assert_eq!(status, 503, "{refused}");
+    assert!(
+        refused["message"]
+            .as_str()
+            .unwrap()
+            .contains("backend payments"),
+        "{refused}"
+    );
+    let (status, list) = sc.get("/v1/locks");
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(
+        resources(&list),
+        [("jobs/nightly".to_owned(), "jobs".to_owned())],
+        "{list}"
+    );
+    assert_eq!(failed(&list), ["payments"], "{list}");
+    let (status, log) = sc.get("/v1/audit");
+    assert_eq!(status, 200, "{log}");
+    assert_eq!(log["records"], serde_json::json!([]), "{log}");
+    assert_eq!(failed(&log), ["payments"], "{log}");
+    // The payments backend is opened on its first use once it is back.
+    payments.restart().unwrap();
+    let paid = sc.acquire("payments/7", 30_000, 0);
+    assert!(paid["token"].as_u64().is_some(), "{paid}");
+    let (status, list) = sc.get("/v1/locks");
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(resources(&list).len(), 2, "{list}");
+    assert!(failed(&list).is_empty(), "{list}");
+}
+
+/// What broke: a running sidecar answered `/v1/locks` and `/v1/audit` with 503 as a whole when
+/// one backend died or stopped answering, hiding the locks the healthy backends hold.
+#[test]
+fn a_running_sidecar_lists_the_healthy_backends_after_one_dies() {
+    let sb = Sandbox::new();
+    let mut payments = RedisServer::start().unwrap();
+    let jobs = RedisServer::start().unwrap();
+    two_redis_routes(&sb, &payments, &jobs);
+    let config = sb.path("routes.toml");
+    let sc = Sidecar::start_with(
+        sb.path("").as_path(),
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--request-timeout",
+            "2s",
+        ],
+    );
+    sc.acquire("payments/7", 30_000, 0);
+    sc.acquire("jobs/nightly", 30_000, 0);
+    let (status, list) = sc.get("/v1/locks");
+    assert_eq!(status, 200, "{list}");
+    for name in ["\"payments/7\"", "\"jobs/nightly\""] {
+        assert!(list.to_string().contains(name), "{list}");
+    }
+
+    // Frozen: the listing gives up on payments before the request's deadline.
+    payments.pause().unwrap();
+    let started = Instant::now();
+    let (status, list) = sc.get("/v1/locks");
+    let took = started.elapsed();
+    assert_eq!(status, 200, "{list}");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    println!("/v1/locks with payments frozen: {took:?}");
+    assert_eq!(
+        resources(&list),
+        [("jobs/nightly".to_owned(), "jobs".to_owned())],
+        "{list}"
+    );
+    assert_eq!(failed(&list), ["payments"], "{list}");
+    let why = list["failed_backends"][0]["message"].as_str().unwrap();
+    assert!(why.contains("no answer within 1.5s"), "{why}");
+    payments.resume().unwrap();
+    assert_eq!(resources(&sc.get("/v1/locks").1).len(), 2);
+
+    // Killed.
+    payments.kill();
+    let (status, list) = get_until(&sc, "/v1/locks", Duration::from_secs(10), |s, l| {
+        s == 200 && failed(l) == ["payments"]
+    });
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(failed(&list), ["payments"], "{list}");
+    assert_eq!(
+        resources(&list),
+        [("jobs/nightly".to_owned(), "jobs".to_owned())],
+        "{list}"
+    );
+    let (status, log) = sc.get("/v1/audit");
+    assert_eq!(status, 200, "{log}");
+    assert_eq!(failed(&log), ["payments"], "{log}");
 }
