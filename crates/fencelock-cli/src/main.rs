@@ -36,6 +36,9 @@ pub mod exit {
     pub const SUPERVISOR: u8 = 70;
     /// The lease was lost while the command ran; the command was terminated.
     pub const LEASE_LOST: u8 = 79;
+    /// `list` or `audit` printed what the backends that answered hold, but at least one
+    /// backend of the routing configuration failed (named on stderr).
+    pub const PARTIAL: u8 = 80;
     /// A limit stored in the engine refused the lock: a TTL above its cap, or this client
     /// holding its quota of leases (EX_NOPERM).
     pub const LIMIT: u8 = 77;
@@ -49,8 +52,8 @@ pub mod exit {
     after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 70 the command's \
                   supervisor died (the command was killed), 75 held elsewhere (or a forced \
                   release refused: the holder looks alive), 77 refused by a limit stored in \
-                  the engine, 79 lease lost while running; \
-                  otherwise the command's own status."
+                  the engine, 79 lease lost while running, 80 list or audit partial (a \
+                  backend failed; named on stderr); otherwise the command's own status."
 )]
 struct Cli {
     #[command(subcommand)]

@@ -77,7 +77,7 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
     fencelock::validate_name(&args.name).map_err(fail)?;
     let client = connect(&args.backend, "fencelock-inspect").await?;
     let holder = client.inspect(&args.name).await.map_err(fail)?;
-    let on = client.backend_for(&args.name).map_err(fail)?;
+    let on = client.backend_for(&args.name).await.map_err(fail)?;
     let (engine, backend) = (on.engine(), on.backend());
     match (holder, args.json) {
         (Some(h), true) => println!("{}", held_json(&args.name, engine, backend, &h)),
@@ -98,25 +98,69 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
 
 pub async fn list(args: ListArgs) -> Result<u8> {
     let client = connect(&args.backend, "fencelock-list").await?;
-    let locks = client.list(&args.name_prefix).await.map_err(fail)?;
+    let listing = client
+        .list_partial(&args.name_prefix, None)
+        .await
+        .map_err(fail)?;
+    let listing = answered(listing)?;
+    let locks = &listing.found;
     if args.json {
+        let engines = client.backends();
         let items: Vec<String> = locks
             .iter()
             .map(|l| {
-                let on = client.backends().into_iter().find(|(n, _)| *n == l.backend);
-                let engine = on.map_or(client.engine(), |(_, c)| c.engine());
+                let on = engines.iter().find(|(n, _)| *n == l.backend);
+                let engine = on.map_or(client.engine(), |(_, e)| e);
                 held_json(&l.resource, engine, &l.backend, &l.holder)
             })
             .collect();
         println!("[{}]", items.join(","));
-    } else if locks.is_empty() && args.name_prefix.is_empty() {
-        println!("no held locks");
     } else if locks.is_empty() {
-        println!("no held locks starting with {:?}", args.name_prefix);
+        let under = if args.name_prefix.is_empty() {
+            String::new()
+        } else {
+            format!(" starting with {:?}", args.name_prefix)
+        };
+        let on = if listing.is_complete() {
+            String::new()
+        } else {
+            format!(" on {}", listing.answered.join(", "))
+        };
+        println!("no held locks{under}{on}");
     } else {
-        print!("{}", table(&locks));
+        print!("{}", table(locks));
     }
-    Ok(0)
+    Ok(partial_exit(&listing, "locks"))
+}
+
+/// `listing`, unless no backend answered: then the failure, as the exit of a client on one
+/// backend would be.
+fn answered<T>(listing: fencelock::Partial<T>) -> Result<fencelock::Partial<T>> {
+    if listing.answered.is_empty() && !listing.is_complete() {
+        return Err(listing
+            .complete()
+            .err()
+            .map_or_else(|| anyhow::anyhow!("no backend answered"), fail));
+    }
+    Ok(listing)
+}
+
+/// Names each backend that failed on stderr, after what the others answered was printed:
+/// exit 80 then, 0 when every backend answered.
+fn partial_exit<T>(listing: &fencelock::Partial<T>, what: &str) -> u8 {
+    if listing.is_complete() {
+        return 0;
+    }
+    for f in &listing.failed {
+        eprintln!("fencelock: {}", f.error);
+    }
+    let failed: Vec<&str> = listing.failed.iter().map(|f| f.backend.as_str()).collect();
+    eprintln!(
+        "fencelock: partial answer: the {what} of backend(s) {} are not shown; {} answered",
+        failed.join(", "),
+        listing.answered.join(", ")
+    );
+    crate::exit::PARTIAL
 }
 
 pub async fn release(args: ReleaseArgs) -> Result<u8> {
@@ -178,18 +222,30 @@ pub async fn audit(args: AuditArgs) -> Result<u8> {
         fencelock::validate_name(name).map_err(fail)?;
     }
     let client = connect(&args.backend, "fencelock-audit").await?;
-    let records = client.audit(args.name.as_deref()).await.map_err(fail)?;
+    let listing = client
+        .audit_partial(args.name.as_deref(), None)
+        .await
+        .map_err(fail)?;
+    let listing = answered(listing)?;
+    let records = &listing.found;
     if args.json {
         let items: Vec<String> = records.iter().map(record_json).collect();
         println!("[{}]", items.join(","));
     } else if records.is_empty() {
-        println!("no forced releases recorded");
+        if listing.is_complete() {
+            println!("no forced releases recorded");
+        } else {
+            println!(
+                "no forced releases recorded on {}",
+                listing.answered.join(", ")
+            );
+        }
     } else {
-        for r in &records {
+        for r in records {
             print!("{}", record_text(r));
         }
     }
-    Ok(0)
+    Ok(partial_exit(&listing, "audit records"))
 }
 
 fn ago(t: SystemTime) -> String {

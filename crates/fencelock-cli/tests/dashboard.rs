@@ -1,8 +1,9 @@
 //! The sidecar's dashboard in a real headless Chromium, driven over WebDriver: it lists a
 //! lock held by an application with its token, shows it free once the killed holder's TTL
 //! has passed, refuses a forced release of a live holder and, with the confirmation,
-//! releases a dead one, which the audit log then shows. Screenshots are kept under
-//! `target/tmp/sidecar/` for a person to look at.
+//! releases a dead one, which the audit log then shows; with a routing configuration whose
+//! payments backend dies, it keeps showing the other backend's locks and names the failed one.
+//! Screenshots are kept under `target/tmp/sidecar/` for a person to look at.
 #![allow(clippy::unwrap_used)]
 
 mod sidecar;
@@ -282,6 +283,90 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
         )
         .await;
         screenshot(&c, "dashboard-phone.png").await;
+        c.close().await.unwrap();
+    });
+}
+
+/// What broke: with one backend of a routing configuration down, the dashboard said "No lock
+/// held" while the healthy backends held locks, and did not say which backend had failed.
+#[test]
+fn the_dashboard_shows_held_locks_and_names_a_failed_backend() {
+    let dir = tempdir();
+    let (mut payments, jobs) = (
+        fencelock_testkit::RedisServer::start().unwrap(),
+        fencelock_testkit::RedisServer::start().unwrap(),
+    );
+    let config = dir.path().join("routes.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[backends]\npayments = \"{}\"\njobs = \"{}\"\n[[route]]\nprefix = \"payments/\"\n\
+             backend = \"payments\"\n[default]\nbackend = \"jobs\"\n",
+            payments.url(),
+            jobs.url()
+        ),
+    )
+    .unwrap();
+    let sc = Sidecar::start_with(dir.path(), &["--config", config.to_str().unwrap()]);
+    let (_driver, port) = chromedriver(dir.path());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = browser(port, &dir.path().join("profile")).await;
+        let job = sc.acquire("jobs/nightly", 30_000, 0);
+        let fencing = job["token"].as_u64().unwrap().to_string();
+        sc.acquire("payments/settle", 30_000, 0);
+        c.goto(&sc.url("/")).await.unwrap();
+        let paid = "tr[data-resource='payments/settle']";
+        wait_text(
+            &c,
+            &format!("{paid} .state"),
+            Duration::from_secs(10),
+            |t| t == "held",
+        )
+        .await;
+
+        payments.kill();
+        let failed = wait_text(
+            &c,
+            "#locks-failed .failed-backend",
+            Duration::from_secs(10),
+            |t| !t.is_empty(),
+        )
+        .await;
+        assert!(
+            failed.starts_with("Backend payments did not answer; its locks are not shown"),
+            "{failed}"
+        );
+        let row = "tr[data-resource='jobs/nightly']";
+        wait_text(&c, &format!("{row} .token"), Duration::from_secs(5), |t| {
+            t == fencing
+        })
+        .await;
+        wait_text(&c, &format!("{row} .state"), Duration::from_secs(5), |t| {
+            t == "held"
+        })
+        .await;
+        // A lock seen on the failed backend is not shown free: nobody knows.
+        wait_text(&c, &format!("{paid} .state"), Duration::from_secs(5), |t| {
+            t == "unknown (backend payments failed)"
+        })
+        .await;
+        let empty = c.find(Locator::Id("locks-empty")).await.unwrap();
+        assert!(
+            !empty.is_displayed().await.unwrap(),
+            "\"No lock held\" shown"
+        );
+        wait_text(
+            &c,
+            "#audit-failed .failed-backend",
+            Duration::from_secs(5),
+            |t| t.starts_with("Backend payments did not answer; its records are not shown"),
+        )
+        .await;
+        screenshot(&c, "dashboard-failed-backend.png").await;
         c.close().await.unwrap();
     });
 }

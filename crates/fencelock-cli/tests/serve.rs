@@ -256,7 +256,11 @@ fn a_forced_release_ends_the_stream_at_once_and_the_fence_refuses_the_old_token(
         json!({"accepted": false, "resource": "ledger", "token": t_old, "highest": t_new, "fence": "memory"})
     );
     let (_, audit) = sc.get("/v1/audit?name=ledger");
-    assert_eq!(audit[0]["reason"], "worker VM deleted", "{audit}");
+    assert_eq!(
+        audit["records"][0]["reason"], "worker VM deleted",
+        "{audit}"
+    );
+    assert_eq!(audit["failed_backends"], json!([]), "{audit}");
 
     // A forced release from the command line reaches the stream at the next renewal.
     let events = sc.events(&new);
@@ -427,7 +431,7 @@ fn tokens_map_to_prefixes_and_the_file_is_reread_on_sighup() {
     );
     assert_eq!(acquire(Some(ops), "jobs/run").0, 200);
     let (_, seen) = sc.call_as(Some(billing), "GET", "/v1/locks", None);
-    let names: Vec<&str> = seen
+    let names: Vec<&str> = seen["locks"]
         .as_array()
         .unwrap()
         .iter()

@@ -28,8 +28,9 @@
 //! - **clients** (`core/`): [`Client`], [`ClientBuilder`], [`LockOptions`], [`Lease`] (the lost
 //!   signal, `run`, `extend`, `release`), the acquire loops and the watchdog that renews
 //!   leases; with tokens, errors, names, holder metadata, [`metrics`], and the small internal
-//!   engine trait through which the core talks to whichever engine it was given. The core
-//!   names no engine.
+//!   engine trait through which the core talks to whichever engine it was given. A routed
+//!   client ([`Routes`]) opens each backend when a call first needs it (`core/router.rs`). The
+//!   core names no engine.
 //! - **lock servers** (`engines/`): one folder per engine behind a cargo feature (`sqlite`, on
 //!   by default; `redis` for one node and Redlock; `postgres`: advisory locks, or a lease table
 //!   with `?mode=lease`; `etcd`; `zookeeper`), each with its own URL parser. `engines/mod.rs` is the one
@@ -141,6 +142,7 @@ pub use crate::core::limits::{Limits, StoredLimits, MAX_HELD_CEILING};
 pub use crate::core::name::{validate_name, MAX_NAME_BYTES};
 pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};
+pub use crate::core::router::{BackendFailure, Partial};
 pub use crate::core::routes::{config_path, Routes, SINGLE_BACKEND};
 #[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
 pub use crate::core::tls::TlsSession;

@@ -2,7 +2,10 @@
 //! file for the default route. Every call about a name lands on its route's backend (checked
 //! with redis-cli on both servers), each backend renews its own leases, and a backend frozen
 //! by SIGSTOP (the kernel still accepts connections: a blackhole) fails only its own names,
-//! within their wait, naming it, while the other route's throughput stays as it was.
+//! within their wait, naming it, while the other route's throughput stays as it was. A backend
+//! killed before the client starts, or while it runs, fails only its own names too: the
+//! client starts, the listings answer with the other backends' locks and name it, and its next
+//! use after it is back opens it.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,14 +51,14 @@ async fn every_call_goes_to_the_backend_of_its_route() {
         .await
         .unwrap();
     assert_eq!(
-        client.backend_for("payments/7").unwrap().backend(),
+        client.backend_for("payments/7").await.unwrap().backend(),
         "payments"
     );
     assert_eq!(
-        client.backend_for("jobs/nightly").unwrap().engine(),
+        client.backend_for("jobs/nightly").await.unwrap().engine(),
         "redis"
     );
-    assert_eq!(client.backend_for("misc").unwrap().engine(), "sqlite");
+    assert_eq!(client.backend_for("misc").await.unwrap().engine(), "sqlite");
 
     // Short TTLs: the leases live through several renewals of their own backend's watchdog.
     let ttl = LockOptions::default().ttl(Duration::from_millis(600));
@@ -84,7 +87,7 @@ async fn every_call_goes_to_the_backend_of_its_route() {
         "jobs/nightly is on jobs only"
     );
     // The key "misc" would have on a Redis backend is on neither.
-    let as_redis = lock_key(client.backend_for("jobs/").unwrap(), "misc");
+    let as_redis = lock_key(&client.backend_for("jobs/").await.unwrap(), "misc");
     assert!(!exists(&payments, &as_redis) && !exists(&jobs, &as_redis));
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -163,6 +166,170 @@ async fn a_name_with_no_route_and_no_default_is_refused() {
     .await
     .unwrap_err();
     assert!(e.to_string().contains("backends.a"), "{e}");
+}
+
+/// What broke: a routed client opened every backend when it started, so with the payments
+/// backend down the whole client failed, names routed to healthy backends included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_down_at_start_fails_only_the_names_routed_to_it() {
+    let _serial = SERIAL.lock().await;
+    let (mut payments, jobs) = (RedisServer::start().unwrap(), RedisServer::start().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    payments.kill();
+    let started = Instant::now();
+    let client = Client::routed(routes(&payments, &jobs, &dir.path().join("l.db")))
+        .connect()
+        .await
+        .expect("a client starts with one backend down");
+    let ttl = LockOptions::default().ttl(Duration::from_secs(5));
+    let job = client.try_acquire("jobs/nightly", &ttl).await.unwrap();
+    let misc = client.try_acquire("misc", &ttl).await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the healthy routes took {took:?}"
+    );
+    let e = client.try_acquire("payments/7", &ttl).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Engine, "{e}");
+    assert_eq!(e.backend(), Some("payments"), "{e}");
+    assert_eq!(e.resource(), Some("payments/7"), "{e}");
+    // Names, keys and the routing table need no backend open.
+    assert!(lock_key(&client, "payments/7").contains("payments/7"));
+    assert_eq!(client.route_of("payments/7").unwrap(), "payments");
+    assert_eq!(
+        client.backends(),
+        [
+            ("jobs", "redis"),
+            ("local", "sqlite"),
+            ("payments", "redis")
+        ]
+    );
+    assert!(client.inspect("jobs/nightly").await.unwrap().is_some());
+    assert!(client.inspect("payments/7").await.is_err());
+    // A backend that failed to open is tried again on its next use.
+    payments.restart().unwrap();
+    let pay = client.try_acquire("payments/7", &ttl).await.unwrap();
+    assert_eq!(client.list("").await.unwrap().len(), 3);
+    pay.release().await.unwrap();
+    client.close().await;
+    job.release().await.unwrap();
+    misc.release().await.unwrap();
+}
+
+/// What broke: `list` and `audit` over several backends failed as a whole when one backend
+/// was down, hiding the locks the healthy backends hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_answer_what_the_healthy_backends_hold_and_name_the_failed_one() {
+    let _serial = SERIAL.lock().await;
+    let (mut payments, jobs) = (RedisServer::start().unwrap(), RedisServer::start().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let client = Client::routed(routes(&payments, &jobs, &dir.path().join("l.db")))
+        .connect()
+        .await
+        .unwrap();
+    let ttl = LockOptions::default().ttl(Duration::from_secs(5));
+    let pay = client.try_acquire("payments/7", &ttl).await.unwrap();
+    let job = client.try_acquire("jobs/nightly", &ttl).await.unwrap();
+    let misc = client.try_acquire("misc", &ttl).await.unwrap();
+    client
+        .force_release("misc", &ForceRelease::new("test").holder_is_dead(true))
+        .await
+        .unwrap();
+    drop(misc);
+    assert_eq!(client.list("").await.unwrap().len(), 2);
+
+    payments.kill();
+    let listing = client.list_partial("", None).await.unwrap();
+    let rows: Vec<(&str, &str)> = listing
+        .found
+        .iter()
+        .map(|l| (l.resource.as_str(), l.backend.as_str()))
+        .collect();
+    assert_eq!(rows, [("jobs/nightly", "jobs")]);
+    assert_eq!(listing.answered, ["jobs", "local"]);
+    assert!(!listing.is_complete());
+    let failed: Vec<&str> = listing.failed.iter().map(|f| f.backend.as_str()).collect();
+    assert_eq!(failed, ["payments"]);
+    let why = listing.failed[0].error.to_string();
+    assert!(why.contains("backend payments"), "{why}");
+    // The all-or-nothing call says which backend failed; a prefix routed elsewhere does not
+    // ask it at all.
+    let e = client.list("").await.unwrap_err();
+    assert_eq!(e.backend(), Some("payments"), "{e}");
+    assert_eq!(client.list("jobs/").await.unwrap().len(), 1);
+
+    let log = client.audit_partial(None, None).await.unwrap();
+    assert_eq!(log.found.len(), 1, "{log:?}");
+    assert_eq!(log.found[0].resource, "misc");
+    assert_eq!(log.answered, ["jobs", "local"]);
+    assert_eq!(log.failed[0].backend, "payments");
+    assert!(client.audit(None).await.is_err());
+    assert_eq!(client.audit(Some("misc")).await.unwrap().len(), 1);
+
+    payments.restart().unwrap();
+    let listing = client.list_partial("", None).await.unwrap();
+    assert!(listing.is_complete(), "{:?}", listing.failed);
+    drop(pay);
+    job.release().await.unwrap();
+    client.close().await;
+}
+
+/// Calls that find a blackholed backend being opened share that attempt: each fails within
+/// about one attempt, not in a queue of attempts one behind the other. A listing given a
+/// bound answers with the other backends by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_share_one_attempt_to_open_a_blackholed_backend() {
+    let _serial = SERIAL.lock().await;
+    let (payments, jobs) = (RedisServer::start().unwrap(), RedisServer::start().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let op_timeout = Duration::from_millis(400);
+    payments.pause().unwrap();
+    let client = Client::routed(routes(&payments, &jobs, &dir.path().join("l.db")))
+        .op_timeout(op_timeout)
+        .connect()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let mut calls = Vec::new();
+    for i in 0..16 {
+        let client = client.clone();
+        calls.push(tokio::spawn(async move {
+            let opts = LockOptions::default().ttl(Duration::from_secs(5));
+            let e = client
+                .try_acquire(&format!("payments/{i}"), &opts)
+                .await
+                .unwrap_err();
+            (e.kind(), e.to_string())
+        }));
+    }
+    for call in calls {
+        let (kind, message) = call.await.unwrap();
+        assert_eq!(kind, ErrorKind::Engine, "{message}");
+        assert!(message.contains("backend payments"), "{message}");
+    }
+    let took = started.elapsed();
+    // One attempt is bounded by three operation timeouts; sixteen in a queue would take 16.
+    assert!(
+        took < op_timeout * 4,
+        "16 calls on a blackholed backend took {took:?}"
+    );
+    let job = client
+        .try_acquire("jobs/1", &LockOptions::default())
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let within = Duration::from_millis(600);
+    let listing = client.list_partial("", Some(within)).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(listing.found.len(), 1);
+    assert_eq!(listing.failed[0].backend, "payments");
+    assert!(
+        took < within + Duration::from_millis(400),
+        "listing took {took:?}"
+    );
+    payments.resume().unwrap();
+    job.release().await.unwrap();
+    client.close().await;
 }
 
 /// One round: `workers` tasks lock and release `jobs/*` names for `span`; two more try

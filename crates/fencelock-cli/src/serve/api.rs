@@ -20,7 +20,9 @@ use super::auth::Principal;
 use super::fence::Admitted;
 use super::http::{ApiError, ErrorBody, JsonBody};
 use super::leases::{Cmd, Grant, Held, Mode, Snapshot};
-use super::views::{ms, when, AuditView, HolderView, LockView, SidecarLeaseView};
+use super::views::{
+    ms, when, AuditLog, AuditView, FailedBackend, HolderView, LockList, LockView, SidecarLeaseView,
+};
 use super::AppState;
 
 type St = State<Arc<AppState>>;
@@ -428,7 +430,12 @@ fn query<T>(q: Result<Query<T>, axum::extract::rejection::QueryRejection>) -> Re
         .map_err(|e| ApiError::field("query", e.body_text()))
 }
 
-fn lock_view(app: &AppState, resource: &str, holder: Option<&fencelock::Holder>) -> LockView {
+fn lock_view(
+    app: &AppState,
+    resource: &str,
+    backend: &str,
+    holder: Option<&fencelock::Holder>,
+) -> LockView {
     let sidecar = holder.and_then(|h| {
         app.registry
             .on_resource(resource)
@@ -445,6 +452,7 @@ fn lock_view(app: &AppState, resource: &str, holder: Option<&fencelock::Holder>)
     });
     LockView {
         resource: resource.to_owned(),
+        backend: backend.to_owned(),
         engine: app.client.engine(),
         held: holder.is_some(),
         holder: holder.map(|h| HolderView::of(resource, h)),
@@ -467,7 +475,11 @@ pub async fn inspect(
         .inspect(&q.name)
         .await
         .map_err(|e| ApiError::from_lib(&e, "name"))?;
-    Ok(Json(lock_view(&app, &q.name, holder.as_ref())))
+    let backend = app
+        .client
+        .route_of(&q.name)
+        .unwrap_or(fencelock::SINGLE_BACKEND);
+    Ok(Json(lock_view(&app, &q.name, backend, holder.as_ref())))
 }
 
 /// A name prefix in a query string.
@@ -481,27 +493,67 @@ pub struct PrefixQuery {
     pub prefix: String,
 }
 
-/// The held locks this client may see, sorted by name.
+/// The held locks this client may see, sorted by name, and the backends that failed to
+/// answer: with a routing configuration, one backend's outage leaves the others' locks listed.
+/// 503 only when no backend answered.
 #[utoipa::path(get, path = "/v1/locks", tag = TAG, params(PrefixQuery),
-    responses((status = 200, body = Vec<LockView>), (status = 400, body = ErrorBody)))]
+    responses((status = 200, body = LockList), (status = 400, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn list(
     State(app): St,
     Extension(who): Who,
     q: Result<Query<PrefixQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Vec<LockView>>, ApiError> {
+) -> Result<Json<LockList>, ApiError> {
     let q = query(q)?;
-    let locks = app
+    let listing = app
         .client
-        .list(&q.prefix)
+        .list_partial(&q.prefix, Some(gather_within(&app)))
         .await
         .map_err(|e| ApiError::from_lib(&e, "prefix"))?;
-    Ok(Json(
-        locks
+    let failed_backends = failed_backends(&app, &who, &listing)?;
+    Ok(Json(LockList {
+        locks: listing
+            .found
             .iter()
             .filter(|l| who.may(&l.resource))
-            .map(|l| lock_view(&app, &l.resource, Some(&l.holder)))
+            .map(|l| lock_view(&app, &l.resource, &l.backend, Some(&l.holder)))
             .collect(),
-    ))
+        failed_backends,
+    }))
+}
+
+/// How long a listing waits for the slower backends: long enough for a healthy one, and short
+/// enough that the others' answer beats the request's deadline when one is blackholed.
+fn gather_within(app: &AppState) -> Duration {
+    app.request_timeout * 3 / 4
+}
+
+/// The backends of `listing` that failed and could hold a name `who` may see; the failure
+/// itself (503) when no backend answered.
+fn failed_backends<T>(
+    app: &AppState,
+    who: &Principal,
+    listing: &fencelock::Partial<T>,
+) -> Result<Vec<FailedBackend>, ApiError> {
+    if listing.answered.is_empty() {
+        if let Some(f) = listing.failed.first() {
+            return Err(ApiError::from_lib(&f.error, "prefix"));
+        }
+    }
+    let visible = |backend: &str| match (&who.prefixes, app.client.routes()) {
+        (Some(prefixes), Some(routes)) => prefixes
+            .iter()
+            .any(|p| routes.backends_under(p).contains(&backend)),
+        _ => true,
+    };
+    Ok(listing
+        .failed
+        .iter()
+        .filter(|f| visible(&f.backend))
+        .map(|f| FailedBackend {
+            backend: f.backend.clone(),
+            message: f.error.to_string(),
+        })
+        .collect())
 }
 
 /// An optional resource name in a query string.
@@ -513,30 +565,34 @@ pub struct OptionalName {
     pub name: Option<String>,
 }
 
-/// The audit log of forced releases this client may see, newest first.
+/// The audit log of forced releases this client may see, newest first, and the backends that
+/// failed to answer (as for `/v1/locks`).
 #[utoipa::path(get, path = "/v1/audit", tag = TAG, params(OptionalName),
-    responses((status = 200, body = Vec<AuditView>), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)))]
+    responses((status = 200, body = AuditLog), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 503, body = ErrorBody)))]
 pub async fn audit(
     State(app): St,
     Extension(who): Who,
     q: Result<Query<OptionalName>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<Vec<AuditView>>, ApiError> {
+) -> Result<Json<AuditLog>, ApiError> {
     let q = query(q)?;
     if let Some(name) = &q.name {
         checked_name(&who, "name", name)?;
     }
-    let records = app
+    let listing = app
         .client
-        .audit(q.name.as_deref())
+        .audit_partial(q.name.as_deref(), Some(gather_within(&app)))
         .await
         .map_err(|e| ApiError::from_lib(&e, "name"))?;
-    Ok(Json(
-        records
+    let failed_backends = failed_backends(&app, &who, &listing)?;
+    Ok(Json(AuditLog {
+        records: listing
+            .found
             .iter()
             .filter(|r| who.may(&r.resource))
             .map(AuditView::of)
             .collect(),
-    ))
+        failed_backends,
+    }))
 }
 
 /// Force the release of a stuck lock.

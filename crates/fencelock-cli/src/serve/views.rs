@@ -87,6 +87,8 @@ impl HolderView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct LockView {
     pub resource: String,
+    /// The backend it is on: its name in the routing configuration, else `default`.
+    pub backend: String,
     /// The engine (`sqlite`, `redis`, ...).
     pub engine: &'static str,
     pub held: bool,
@@ -97,6 +99,35 @@ pub struct LockView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = SidecarLeaseView, required = false)]
     pub sidecar: Option<SidecarLeaseView>,
+}
+
+/// The held locks a client may see, and the backends that failed to answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LockList {
+    /// The locks the backends that answered hold, sorted by name.
+    pub locks: Vec<LockView>,
+    /// The backends that failed to answer, whose locks are missing from `locks`; empty when
+    /// every backend answered.
+    pub failed_backends: Vec<FailedBackend>,
+}
+
+/// The audit records a client may see, and the backends that failed to answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AuditLog {
+    /// The records of the backends that answered, newest first.
+    pub records: Vec<AuditView>,
+    /// The backends that failed to answer, whose records are missing; empty when every
+    /// backend answered.
+    pub failed_backends: Vec<FailedBackend>,
+}
+
+/// A backend of the routing configuration that failed to answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FailedBackend {
+    /// Its name in the routing configuration.
+    pub backend: String,
+    /// Why: it could not be reached or opened, failed, or did not answer in time.
+    pub message: String,
 }
 
 /// What the sidecar knows of a lease it holds for an application.

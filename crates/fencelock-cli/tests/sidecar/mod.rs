@@ -44,7 +44,15 @@ impl Sidecar {
     /// Starts `fencelock serve --backend URL --listen 127.0.0.1:0 EXTRA...` and waits until it
     /// says where it listens.
     pub fn start(dir: &Path, url: &str, extra: &[&str]) -> Sidecar {
-        let mut args = vec!["serve", "--backend", url, "--listen", "127.0.0.1:0"];
+        let mut args = vec!["--backend", url];
+        args.extend_from_slice(extra);
+        Sidecar::start_with(dir, &args)
+    }
+
+    /// Starts `fencelock serve --listen 127.0.0.1:0 ARGS...` (a `--backend` or `--config`
+    /// among them) and waits until it says where it listens.
+    pub fn start_with(dir: &Path, extra: &[&str]) -> Sidecar {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
         let name = format!("serve-{}", fencelock_testkit::free_port());
         let proc = fencelock_in(dir, &name, &args).spawn().unwrap();

@@ -90,29 +90,45 @@ impl Client {
         campaign: Option<&str>,
     ) -> Result<Lease> {
         // A routed client hands the acquisition to the name's backend, whose own watchdog
-        // then renews the lease.
-        let this = self.on(name)?;
+        // then renews the lease; a backend not yet opened is opened first, and one that cannot
+        // be fails this call alone.
+        let started = Instant::now();
+        let this = match self.on(name).await {
+            Ok(this) => this,
+            Err(e) => {
+                if let (Some(router), ErrorKind::Engine) = (self.router(), e.kind()) {
+                    let backend = router.routes.backend_for(name).unwrap_or_default();
+                    crate::core::metrics::acquire_finished(
+                        router.engine_of(backend).unwrap_or("unknown"),
+                        &std::sync::Arc::<str>::from(backend).into(),
+                        &crate::core::metrics::resource_label(name),
+                        started.elapsed(),
+                        Err(e.kind()),
+                    );
+                }
+                return Err(e.with_resource(name));
+            }
+        };
         let span = tracing::debug_span!(
             "acquire",
             resource = name,
-            engine = this.engine(),
-            backend = this.backend(),
+            engine = this.engine.kind(),
+            backend = this.calls.backend_label(),
             outcome = tracing::field::Empty,
         );
-        let started = Instant::now();
         let result = this
             .acquire_loop(name, opts, wait, campaign)
             .instrument(span.clone())
             .await
-            .map_err(|e| this.inner.calls.named(e));
+            .map_err(|e| this.calls.named(e));
         // A grant's label is its lease's, chosen once for all its series.
         let label = match &result {
             Ok(lease) => lease.metric_label().clone(),
             Err(_) => crate::core::metrics::resource_label(name),
         };
         let outcome = crate::core::metrics::acquire_finished(
-            this.engine(),
-            &this.inner.calls.backend_metric_label(),
+            this.engine.kind(),
+            &this.calls.backend_metric_label(),
             &label,
             started.elapsed(),
             result.as_ref().map(Lease::ttl).map_err(Error::kind),
@@ -120,16 +136,18 @@ impl Client {
         span.record("outcome", outcome);
         result
     }
+}
 
+impl ClientInner {
     async fn acquire_loop(
-        &self,
+        self: &Arc<Self>,
         name: &str,
         opts: &LockOptions,
         wait: Duration,
         campaign: Option<&str>,
     ) -> Result<Lease> {
         validate_name(name)?;
-        let inner = &self.inner;
+        let inner = self;
         opts.validate(inner.cfg.max_ttl)?;
         let engine = inner.engine.kind();
         let ttl = opts.ttl_value();
@@ -322,14 +340,14 @@ impl Client {
     /// enqueues and waits for the head of the queue. `pending` stays armed throughout, so a
     /// dropped future, a timeout or an error removes the queue entry.
     async fn acquire_in_queue(
-        &self,
+        self: &Arc<Self>,
         req: &AcquireRequest,
         pending: &mut Pending,
         wait: Duration,
         opts: &LockOptions,
         campaign: Option<&str>,
     ) -> Result<Lease> {
-        let inner = &self.inner;
+        let inner = self;
         let Some(queue) = &inner.queue else {
             return Err(Error::invalid("this engine keeps no waiter queue"));
         };
@@ -389,7 +407,7 @@ impl Client {
     }
 }
 
-impl Client {
+impl ClientInner {
     /// The error of an acquisition the lock stayed held through: held (one attempt) or timed
     /// out, naming the holder. An engine whose refusal cannot name the holder in the same step
     /// (PostgreSQL advisory locks) has it looked up once here, at the end, rather than on every
@@ -399,16 +417,14 @@ impl Client {
             Some(h) => Some(h),
             None => self.inspect(name).await.ok().flatten(),
         };
-        let engine = self.engine();
+        let engine = self.engine.kind();
         if wait.is_zero() {
             Error::held(name, engine, holder)
         } else {
             Error::timed_out(name, engine, wait, holder)
         }
     }
-}
 
-impl ClientInner {
     /// The lease for a grant of `req` with `token`, valid until `deadline`, registered with
     /// the watchdog.
     fn grant(

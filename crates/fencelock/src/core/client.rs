@@ -1,8 +1,8 @@
-//! The client: one opened engine, its capabilities and the watchdog that renews its leases.
-//! The acquire loops are in `acquire`; opening an engine from a URL is the registry's job
-//! (`crate::engines`), which hands the client an [`Opened`] engine.
+//! The client: one opened engine, its capabilities and the watchdog that renews its leases,
+//! or a routed client's backends (`router`), each such a client once opened. The acquire loops
+//! are in `acquire`; opening an engine from a URL is the registry's job (`crate::engines`),
+//! which hands the client an [`Opened`] engine.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +20,7 @@ use crate::core::lease::LeaseState;
 use crate::core::metrics::Loss;
 use crate::core::name::{validate_name, MAX_NAME_BYTES};
 use crate::core::options::{display_duration, OP_TIMEOUT_CEILING, TTL_CEILING};
+use crate::core::router::Router;
 use crate::core::routes::{Routes, SINGLE_BACKEND};
 use crate::core::url::redact_url;
 use crate::core::watchdog::Watchdog;
@@ -31,17 +32,16 @@ pub use crate::core::engine::DEFAULT_PREFIX;
 /// per backend.
 #[derive(Clone)]
 pub struct Client {
-    /// The one backend of a client opened on a URL; for a routed client, its default backend
-    /// (else its first): every call about a name goes through [`Client::on`] first.
-    pub(crate) inner: Arc<ClientInner>,
-    pub(crate) router: Option<Arc<Router>>,
+    kind: Kind,
 }
 
-/// The backends of a routed client, each a client on one URL with its own watchdog,
-/// capabilities and metrics label, and the table that picks one per name.
-pub(crate) struct Router {
-    pub(crate) routes: Routes,
-    pub(crate) backends: BTreeMap<String, Client>,
+#[derive(Clone)]
+enum Kind {
+    /// A client opened on one URL.
+    One(Arc<ClientInner>),
+    /// A routed client: every call about a name goes through [`Client::on`], which opens the
+    /// name's backend when it is first needed.
+    Routed(Arc<Router>),
 }
 
 pub(crate) struct ClientInner {
@@ -177,6 +177,13 @@ impl ClientBuilder {
     /// The client on an engine the registry opened with [`ClientBuilder::config`]: starts the
     /// renewal task, so it must run inside a tokio runtime.
     pub(crate) fn start(self, cfg: EngineConfig, opened: Opened) -> Client {
+        Client {
+            kind: Kind::One(self.start_inner(cfg, opened)),
+        }
+    }
+
+    /// [`ClientBuilder::start`], for one backend of a routed client.
+    pub(crate) fn start_inner(self, cfg: EngineConfig, opened: Opened) -> Arc<ClientInner> {
         let Opened {
             engine,
             fair,
@@ -199,22 +206,19 @@ impl ClientBuilder {
             cfg.op_timeout,
             cleanup.clone(),
         );
-        Client {
-            router: None,
-            inner: Arc::new(ClientInner {
-                engine,
-                fair,
-                queue,
-                elections,
-                watchdog,
-                meta: HolderMeta::current(self.client_name),
-                cfg,
-                calls,
-                cleanup,
-                next_id: AtomicU64::new(1),
-                release_abandoned,
-            }),
-        }
+        Arc::new(ClientInner {
+            engine,
+            fair,
+            queue,
+            elections,
+            watchdog,
+            meta: HolderMeta::current(self.client_name),
+            cfg,
+            calls,
+            cleanup,
+            next_id: AtomicU64::new(1),
+            release_abandoned,
+        })
     }
 }
 
@@ -235,8 +239,9 @@ impl Client {
     }
 
     /// Starts building a client that routes names among the backends of `routes` by
-    /// prefix; see [`Routes`]. The builder's settings apply to every backend, each of which
-    /// is opened once by [`ClientBuilder::connect`].
+    /// prefix; see [`Routes`]. The builder's settings apply to every backend.
+    /// [`ClientBuilder::connect`] checks the table; each backend is opened when a call first
+    /// needs it (see [`Client::backend_for`]).
     pub fn routed(routes: Routes) -> ClientBuilder {
         ClientBuilder {
             routes: Some(routes),
@@ -244,15 +249,39 @@ impl Client {
         }
     }
 
-    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`.
-    /// For a routed client, the default backend's (see [`Client::backend_for`]).
-    pub fn engine(&self) -> &'static str {
-        self.inner.engine.kind()
+    /// A routed client on `router`, none of whose backends is open yet.
+    pub(crate) fn on_router(router: Router) -> Client {
+        Client {
+            kind: Kind::Routed(Arc::new(router)),
+        }
     }
 
-    /// The backend URL, password redacted. For a routed client, the default backend's.
+    /// The engine's short name: `sqlite`, `redis`, `redlock`, `postgres`, `postgres-lease`.
+    /// For a routed client, the default backend's (else the first's); see
+    /// [`Client::backends`] for the others.
+    pub fn engine(&self) -> &'static str {
+        match &self.kind {
+            Kind::One(inner) => inner.engine.kind(),
+            Kind::Routed(r) => r.engine_of(r.main()).unwrap_or("unknown"),
+        }
+    }
+
+    /// The backend URL, password redacted. For a routed client, the default backend's (else
+    /// the first's).
     pub fn url(&self) -> &str {
-        &self.inner.calls.url
+        match &self.kind {
+            Kind::One(inner) => &inner.calls.url,
+            Kind::Routed(r) => r.url_of(r.main()).unwrap_or_default(),
+        }
+    }
+
+    /// The client's one backend, or for a routed client its default backend (else its
+    /// first), opened if it was not.
+    pub(crate) async fn main(&self) -> Result<&Arc<ClientInner>> {
+        match &self.kind {
+            Kind::One(inner) => Ok(inner),
+            Kind::Routed(r) => r.open(r.main()).await,
+        }
     }
 
     /// The limits stored in the engine under this client's prefix, as each node (one entry
@@ -262,10 +291,11 @@ impl Client {
     /// # Errors
     /// [`ErrorKind::Engine`] when the engine cannot be read at all.
     pub async fn limits(&self) -> Result<Vec<crate::core::limits::StoredLimits>> {
-        let engine = self.inner.engine.clone();
-        self.inner
+        let inner = self.main().await?;
+        let engine = inner.engine.clone();
+        inner
             .calls
-            .traced("limits", self.inner.cfg.op_timeout, engine.limits())
+            .traced("limits", inner.cfg.op_timeout, engine.limits())
             .await
     }
 
@@ -278,92 +308,106 @@ impl Client {
     /// [`ErrorKind::Engine`] unless every node stored them.
     pub async fn set_limits(&self, limits: &crate::core::limits::Limits) -> Result<()> {
         limits.validate()?;
-        let engine = self.inner.engine.clone();
-        self.inner
+        let inner = self.main().await?;
+        let engine = inner.engine.clone();
+        inner
             .calls
-            .traced(
-                "limits",
-                self.inner.cfg.op_timeout,
-                engine.set_limits(limits),
-            )
+            .traced("limits", inner.cfg.op_timeout, engine.set_limits(limits))
             .await
     }
 
     /// The name of the backend this client talks to (`default` for a client opened on one
-    /// URL); for a routed client, its default backend's.
+    /// URL); for a routed client, its default backend's (else its first's).
     pub fn backend(&self) -> &str {
-        self.inner.calls.backend_label()
+        match &self.kind {
+            Kind::One(inner) => inner.calls.backend_label(),
+            Kind::Routed(r) => r.main(),
+        }
     }
 
-    /// The backend `name` is routed to: a client on that backend alone (the client itself
-    /// when it is not routed).
+    /// The name of the backend `name` routes to (`default` for a client opened on one URL),
+    /// from the routing table alone: nothing is opened.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidInput`] when no route matches and the table has no default.
-    pub fn backend_for(&self, name: &str) -> Result<&Client> {
-        self.on(name)
+    pub fn route_of(&self, name: &str) -> Result<&str> {
+        match &self.kind {
+            Kind::One(inner) => Ok(inner.calls.backend_label()),
+            Kind::Routed(r) => r.routes.backend_for(name),
+        }
     }
 
-    /// Every backend: `(name, client on it)`, in name order; one entry, `default`, for a client
-    /// opened on one URL.
-    pub fn backends(&self) -> Vec<(&str, &Client)> {
-        match &self.router {
-            None => vec![(SINGLE_BACKEND, self)],
-            Some(r) => r.backends.iter().map(|(n, c)| (n.as_str(), c)).collect(),
+    /// The backend `name` is routed to: a client on that backend alone (a clone of the client
+    /// itself when it is not routed). A backend not yet opened is opened now.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] when no route matches and the table has no default;
+    /// [`ErrorKind::Engine`], naming the backend, when it cannot be opened.
+    pub async fn backend_for(&self, name: &str) -> Result<Client> {
+        let inner = self.on(name).await?;
+        Ok(Client {
+            kind: Kind::One(inner.clone()),
+        })
+    }
+
+    /// Every backend, `(name, engine)` in name order, opened or not; one entry, `default`, for
+    /// a client opened on one URL.
+    pub fn backends(&self) -> Vec<(&str, &'static str)> {
+        match &self.kind {
+            Kind::One(inner) => vec![(SINGLE_BACKEND, inner.engine.kind())],
+            Kind::Routed(r) => r.names().collect(),
         }
     }
 
     /// The routing table of a routed client.
     pub fn routes(&self) -> Option<&Routes> {
-        self.router.as_ref().map(|r| &r.routes)
+        match &self.kind {
+            Kind::One(_) => None,
+            Kind::Routed(r) => Some(&r.routes),
+        }
     }
 
-    /// A routed client on backends already opened, one per name of `routes`.
-    pub(crate) fn on_routes(routes: Routes, backends: BTreeMap<String, Client>) -> Result<Client> {
-        let first = routes
-            .default_backend_name()
-            .and_then(|d| backends.get(d))
-            .or_else(|| backends.values().next())
-            .ok_or_else(|| Error::invalid("the routing table names no backend"))?;
-        Ok(Client {
-            inner: first.inner.clone(),
-            router: Some(Arc::new(Router { routes, backends })),
-        })
+    /// The router of a routed client.
+    pub(crate) fn router(&self) -> Option<&Arc<Router>> {
+        match &self.kind {
+            Kind::One(_) => None,
+            Kind::Routed(r) => Some(r),
+        }
     }
 
-    /// The single-backend client that serves `name`.
-    pub(crate) fn on(&self, name: &str) -> Result<&Client> {
-        let Some(router) = &self.router else {
-            return Ok(self);
-        };
-        let backend = router.routes.backend_for(name)?;
-        router.backends.get(backend).ok_or_else(|| {
-            Error::invalid(format!("backend {backend:?} is not open")).with_resource(name)
-        })
+    /// The single-backend client that serves `name`, opened if it was not.
+    pub(crate) async fn on(&self, name: &str) -> Result<&Arc<ClientInner>> {
+        match &self.kind {
+            Kind::One(inner) => Ok(inner),
+            Kind::Routed(r) => r.route(name).await,
+        }
     }
 
     /// The engine keys a resource name maps to, labelled (`lock`, `fence`, ...), so that other
-    /// tools can take or inspect the same lock.
+    /// tools can take or inspect the same lock. Nothing is opened or contacted.
     pub fn keys_for(&self, name: &str) -> Result<Vec<(&'static str, String)>> {
         validate_name(name)?;
-        Ok(self.on(name)?.inner.engine.keys(name))
+        match &self.kind {
+            Kind::One(inner) => Ok(inner.engine.keys(name)),
+            Kind::Routed(r) => r.keys(name),
+        }
     }
 
     /// The current holder of `name`, if the lock is held.
     pub async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
         validate_name(name)?;
-        let inner = &self.on(name)?.inner;
-        inner
-            .calls
-            .call(name, inner.cfg.op_timeout, inner.engine.inspect(name))
-            .await
+        self.on(name).await?.inspect(name).await
     }
 
     /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost
-    /// after failed renewals) to finish, on every backend. Call it before a process exits.
+    /// after failed renewals) to finish, on every backend opened. Call it before a process
+    /// exits.
     pub async fn close(&self) {
-        for (_, client) in self.backends() {
-            let inner = &client.inner;
+        let opened: Vec<&Arc<ClientInner>> = match &self.kind {
+            Kind::One(inner) => vec![inner],
+            Kind::Routed(r) => r.opened().collect(),
+        };
+        for inner in opened {
             inner.cleanup.close();
             inner.cleanup.wait().await;
             inner.cleanup.reopen();
@@ -373,21 +417,34 @@ impl Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.router {
-            None => f
+        match &self.kind {
+            Kind::One(inner) => f
                 .debug_struct("Client")
-                .field("engine", &self.engine())
-                .field("url", &self.url())
+                .field("engine", &inner.engine.kind())
+                .field("url", &inner.calls.url)
                 .finish(),
-            Some(r) => f
+            Kind::Routed(r) => f
                 .debug_struct("Client")
-                .field("backends", &r.backends)
+                .field("backends", &r.names().collect::<Vec<_>>())
+                .field(
+                    "opened",
+                    &r.opened()
+                        .map(|i| i.calls.backend_label())
+                        .collect::<Vec<_>>(),
+                )
                 .finish(),
         }
     }
 }
 
 impl ClientInner {
+    /// The current holder of `name` on this backend.
+    pub(crate) async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
+        self.calls
+            .call(name, self.cfg.op_timeout, self.engine.inspect(name))
+            .await
+    }
+
     pub(crate) async fn extend_now(self: &Arc<Self>, lease: &LeaseState) -> Result<()> {
         if lease.is_lost() {
             return Err(lease.lost_error(self.engine.kind()));

@@ -137,6 +137,27 @@ impl Error {
         self
     }
 
+    /// A copy that reads the same, for a failure several callers share (an attempt to open a
+    /// backend that others were waiting on): the source error becomes its text.
+    pub(crate) fn duplicate(&self) -> Error {
+        let i = &self.inner;
+        Error {
+            inner: Box::new(Inner {
+                kind: i.kind,
+                message: i.message.clone(),
+                resource: i.resource.clone(),
+                engine: i.engine,
+                backend: i.backend.clone(),
+                holder: i.holder.clone(),
+                stale: i.stale,
+                source: i
+                    .source
+                    .as_ref()
+                    .map(|s| Box::new(SourceText(s.to_string())) as Box<_>),
+            }),
+        }
+    }
+
     pub(crate) fn held(resource: &str, engine: &'static str, holder: Option<Holder>) -> Error {
         Error::new(ErrorKind::HeldByAnother, "held by another owner")
             .with_resource(resource)
@@ -258,6 +279,18 @@ impl std::error::Error for Error {
     }
 }
 
+/// The text of a source error, kept by [`Error::duplicate`].
+#[derive(Debug)]
+struct SourceText(String);
+
+impl fmt::Display for SourceText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for SourceText {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,5 +315,17 @@ mod tests {
             Some((FencingToken::new(3), FencingToken::new(9)))
         );
         assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn a_duplicate_reads_the_same() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = Error::engine_failure("redis", "cannot connect")
+            .with_backend("payments")
+            .with_source(io);
+        let d = e.duplicate();
+        assert_eq!(d.to_string(), e.to_string());
+        assert_eq!(d.kind(), e.kind());
+        assert_eq!(d.backend(), Some("payments"));
     }
 }

@@ -158,6 +158,11 @@ impl Lease {
         }
     }
 
+    /// The client (one backend) that holds this lease and renews it.
+    pub(crate) fn client(&self) -> &Arc<ClientInner> {
+        &self.client
+    }
+
     /// The resource name this lease is for.
     pub fn resource(&self) -> &str {
         &self.state.resource

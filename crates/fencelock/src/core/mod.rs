@@ -19,6 +19,7 @@ pub mod metrics;
 pub(crate) mod name;
 pub(crate) mod options;
 pub(crate) mod records;
+pub(crate) mod router;
 pub(crate) mod routes;
 pub(crate) mod sql;
 #[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]

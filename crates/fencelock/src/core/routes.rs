@@ -8,7 +8,7 @@
 //! prefix appears twice, a default exists unless the routes cover every name, and every URL
 //! parses (the registry supplies the URL check, the core knows no engine).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -153,6 +153,25 @@ impl Routes {
             ))
             .with_resource(name)),
         }
+    }
+
+    /// The backends some name starting with `prefix` routes to, in name order: those of the
+    /// routes whose prefix starts with `prefix` (longer, more specific routes), and the one that
+    /// the longest route `prefix` itself starts with gives (or the default) to every other
+    /// name. `""` gives every backend a route or the default names.
+    pub fn backends_under(&self, prefix: &str) -> Vec<&str> {
+        let mut out: BTreeSet<&str> = self
+            .routes()
+            .filter(|(p, _)| p.starts_with(prefix))
+            .map(|(_, b)| b)
+            .collect();
+        let enclosing = self
+            .routes()
+            .find(|(p, _)| prefix.starts_with(p))
+            .map(|(_, b)| b)
+            .or(self.default_backend_name());
+        out.extend(enclosing);
+        out.into_iter().collect()
     }
 
     /// The URL of the backend named `name`.
@@ -369,6 +388,17 @@ backend = "jobs"
             assert!(e.contains("test.toml"), "{e}");
             assert!(e.contains(needle), "{text}\n=> {e}");
         }
+    }
+
+    #[test]
+    fn a_listing_asks_the_backends_its_names_can_route_to() {
+        let r = parse(GOOD).unwrap();
+        assert_eq!(r.backends_under(""), ["jobs", "payments", "urgent"]);
+        assert_eq!(r.backends_under("payments/"), ["payments", "urgent"]);
+        assert_eq!(r.backends_under("payments/urgent/x"), ["urgent"]);
+        assert_eq!(r.backends_under("jobs/"), ["jobs"]);
+        let no_default = Routes::new().backend("a", "redis://h").route("a/", "a");
+        assert!(no_default.backends_under("b/").is_empty());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 use crate::core::client::{Client, ClientBuilder};
 use crate::core::engine::{EngineConfig, Opened};
 use crate::core::error::{Error, Result};
+use crate::core::router::{Router, Unopened};
 use crate::core::routes::Routes;
 use crate::core::url::redact_url;
 
@@ -348,38 +349,52 @@ pub fn default_url() -> Result<String> {
 
 impl ClientBuilder {
     /// Parses the URL, opens the engine and starts the renewal task. Must be called inside a
-    /// tokio runtime.
+    /// tokio runtime. A routed client ([`Client::routed`]) checks its table, every URL
+    /// included, and opens nothing: each backend is opened by the first call that needs it,
+    /// so that a backend that is down fails only the calls about its own names.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL or setting that
-    /// is not valid (or names an engine this build left out);
-    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the engine cannot be reached.
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) for a URL, routing table or
+    /// setting that is not valid (or names an engine this build left out);
+    /// [`ErrorKind::Engine`](crate::ErrorKind::Engine) when the engine of a client on one URL
+    /// cannot be reached.
     pub async fn connect(self) -> Result<Client> {
         let cfg = self.config()?;
         if let Some(routes) = self.routing() {
-            return connect_routed(&self, routes, &cfg).await;
+            return connect_routed(&self, routes, &cfg);
         }
         let opened = open(self.url(), &cfg).await?;
         Ok(self.start(cfg, opened))
     }
 }
 
-/// Opens every backend of a routed client once, in name order. A backend that cannot be
-/// opened fails the whole client, naming it: a client must not start with a route that would
-/// fail every call.
-async fn connect_routed(
-    builder: &ClientBuilder,
-    routes: &Routes,
-    cfg: &EngineConfig,
-) -> Result<Client> {
+/// A routed client on the checked table. Nothing is opened here: each backend is opened by
+/// the first call that needs it (`crate::core::router`), so that a backend that is down fails
+/// only the calls about its own names, not the client's start.
+fn connect_routed(builder: &ClientBuilder, routes: &Routes, cfg: &EngineConfig) -> Result<Client> {
     routes.check(&check_url)?;
-    let mut backends = std::collections::BTreeMap::new();
+    let mut backends = Vec::new();
     for (name, url) in routes.backends() {
+        let parsed = Backend::parse(url).map_err(|e| e.with_backend(name))?;
         let one = builder.for_backend(name, url);
-        let opened = open(url, cfg).await.map_err(|e| e.with_backend(name))?;
-        backends.insert(name.to_owned(), one.start(cfg.clone(), opened));
+        let prefix = cfg.prefix.clone();
+        let (url, cfg) = (url.to_owned(), cfg.clone());
+        let keyed = parsed.clone();
+        let unopened = Unopened {
+            engine: parsed.engine(),
+            keys: Box::new(move |name| keyed.keys(&prefix, name)),
+            open: Box::new(move || {
+                let (url, cfg) = (url.clone(), cfg.clone());
+                Box::pin(async move { open(&url, &cfg).await })
+            }),
+        };
+        backends.push((name.to_owned(), one, unopened));
     }
-    Client::on_routes(routes.clone(), backends)
+    Ok(Client::on_router(Router::new(
+        routes.clone(),
+        cfg,
+        backends,
+    )?))
 }
 
 fn check_url(url: &str) -> Result<()> {

@@ -54,9 +54,11 @@ impl Client {
     /// the lock of that name, as with `etcdctl`).
     pub fn election(&self, name: &str) -> Result<Election> {
         validate_name(name)?;
+        // A routed client's election lives on the backend its name routes to, opened when the
+        // election is first used.
+        self.route_of(name)?;
         Ok(Election {
-            // A routed client's election lives on the backend its name routes to.
-            client: self.on(name)?.clone(),
+            client: self.clone(),
             name: name.to_owned(),
         })
     }
@@ -81,14 +83,13 @@ impl Election {
             .await?;
         Ok(Leadership {
             lease,
-            client: self.client.clone(),
             value: Mutex::new(value.to_owned()),
         })
     }
 
     /// The current leader, if any.
     pub async fn leader(&self) -> Result<Option<Leader>> {
-        leader_of(&self.client.inner, &self.name).await
+        leader_of(self.client.on(&self.name).await?, &self.name).await
     }
 
     /// A receiver that starts with the current leader (`None` when nobody leads), always
@@ -98,7 +99,7 @@ impl Election {
     /// every receiver is dropped.
     pub async fn observe(&self) -> Result<watch::Receiver<Option<Leader>>> {
         let (tx, rx) = watch::channel(self.leader().await?);
-        let inner = self.client.inner.clone();
+        let inner = self.client.on(&self.name).await?.clone();
         let name = self.name.clone();
         tokio::spawn(async move {
             match &inner.elections {
@@ -118,7 +119,6 @@ impl Election {
 #[derive(Debug)]
 pub struct Leadership {
     lease: Lease,
-    client: Client,
     value: Mutex<String>,
 }
 
@@ -157,7 +157,7 @@ impl Leadership {
     /// with [`ErrorKind::NotHolder`] when this candidate no longer leads.
     pub async fn proclaim(&self, value: &str) -> Result<()> {
         check_value(value)?;
-        let inner = &self.client.inner;
+        let inner = self.lease.client();
         let name = self.lease.resource();
         if self.lease.is_lost() {
             return Err(not_leader(name, inner.engine.kind()));

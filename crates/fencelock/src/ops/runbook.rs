@@ -27,16 +27,16 @@
 //! - **The audit log lives in the engine** (a table in the SQLite file, a capped stream on each
 //!   Redis node), next to the locks it is about, readable by anyone who can inspect them.
 
-use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::core::client::Client;
+use crate::core::client::{Client, ClientInner};
 use crate::core::error::{Error, ErrorKind, Result};
 use crate::core::holder::{Holder, HolderMeta};
 use crate::core::name::{validate_name, MAX_NAME_BYTES};
 use crate::core::options::{display_duration, renew_interval};
 use crate::core::records::{AuditRecord, HeldLock};
-use crate::core::routes::Routes;
+use crate::core::router::{gather, silent, single, Partial};
 use crate::core::token::FencingToken;
 
 /// The age after which a holder's last renewal counts as overdue for a lease of this TTL: the
@@ -316,52 +316,83 @@ impl Client {
     /// held on a majority. Redis engines find the names with `SCAN`, which visits keys a few
     /// hundred at a time, so listing a large namespace costs many calls; the whole listing is
     /// bounded by twelve operation timeouts.
+    ///
+    /// A routed client asks only the backends some name under `prefix` can route to, all at
+    /// once, and merges their rows.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] for a prefix that is not valid; the error of a backend that
+    /// failed (see [`Partial::complete`]). [`Client::list_partial`] answers with what the other
+    /// backends hold instead.
     pub async fn list(&self, prefix: &str) -> Result<Vec<HeldLock>> {
+        self.list_partial(prefix, None).await?.complete()
+    }
+
+    /// [`Client::list`], answering with what the backends that answered hold and naming each
+    /// one that did not, rather than failing as a whole: a listing that a backend's outage
+    /// must not blank out (a dashboard, an operator during an incident). Each backend's answer
+    /// is awaited at most `within` (`None`: as long as its own bound), after which it counts
+    /// as failed. A client on one URL has one backend, `default`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] for a prefix that is not valid; every other failure is in
+    /// [`Partial::failed`].
+    pub async fn list_partial(
+        &self,
+        prefix: &str,
+        within: Option<Duration>,
+    ) -> Result<Partial<HeldLock>> {
         if prefix.len() > MAX_NAME_BYTES || prefix.chars().any(char::is_control) {
             return Err(Error::invalid(format!(
                 "a name prefix must be at most {MAX_NAME_BYTES} bytes without control characters"
             )));
         }
-        let mut locks = Vec::new();
-        match &self.router {
-            None => locks = self.list_here(prefix).await?,
-            Some(router) => {
-                // Only the backends some name under `prefix` can route to are asked, so that
-                // listing `jobs/` does not wait on a payments outage. They are asked at once.
-                let mut asked = tokio::task::JoinSet::new();
-                for name in backends_under(&router.routes, prefix) {
-                    if let Some(client) = router.backends.get(name) {
-                        let (client, prefix) = (client.clone(), prefix.to_owned());
-                        asked.spawn(async move { client.list_here(&prefix).await });
-                    }
+        let mut partial = self
+            .gather(within, backends_under(self, prefix), {
+                let prefix = prefix.to_owned();
+                move |inner: Arc<ClientInner>| {
+                    let prefix = prefix.clone();
+                    async move { inner.list_here(&prefix).await }
                 }
-                while let Some(answer) = asked.join_next().await {
-                    let found = answer
-                        .map_err(|e| Error::invalid(format!("a listing task failed: {e}")))??;
-                    locks.extend(found);
-                }
-            }
-        }
-        locks.sort_by(|a, b| {
+            })
+            .await;
+        partial.found.sort_by(|a, b| {
             a.resource
                 .cmp(&b.resource)
                 .then_with(|| a.backend.cmp(&b.backend))
         });
-        Ok(locks)
+        Ok(partial)
     }
 
-    /// [`Client::list`] on this client's one backend, rows labelled with it.
-    async fn list_here(&self, prefix: &str) -> Result<Vec<HeldLock>> {
-        let inner = &self.inner;
-        let label = format!("{prefix}*");
-        let mut locks = inner
-            .calls
-            .call(&label, inner.cfg.op_timeout * 12, inner.engine.list(prefix))
-            .await?;
-        for lock in &mut locks {
-            inner.calls.backend_label().clone_into(&mut lock.backend);
+    /// Runs `ask` on each backend of `names` (on the one backend of a client opened on one
+    /// URL), within `within`.
+    async fn gather<T, F, Fut>(
+        &self,
+        within: Option<Duration>,
+        names: Vec<String>,
+        ask: F,
+    ) -> Partial<T>
+    where
+        T: Send + 'static,
+        F: Fn(Arc<ClientInner>) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = Result<Vec<T>>> + Send + 'static,
+    {
+        match self.router() {
+            Some(router) => gather(router, names, within, ask).await,
+            None => {
+                let answer = async {
+                    let inner = self.main().await?.clone();
+                    ask(inner).await
+                };
+                let answer = match within {
+                    Some(limit) => tokio::time::timeout(limit, answer)
+                        .await
+                        .unwrap_or_else(|_| Err(silent(self.engine(), limit))),
+                    None => answer.await,
+                };
+                single(self.backend(), answer)
+            }
         }
-        Ok(locks)
     }
 
     /// Deletes the lock on `name` whatever its owner, after checking that its holder looks
@@ -390,10 +421,73 @@ impl Client {
     ) -> Result<Option<AuditRecord>> {
         validate_name(name)?;
         request.validate()?;
-        let this = self.on(name)?;
+        let this = self.on(name).await?;
         this.force_release_here(name, request)
             .await
-            .map_err(|e| this.inner.calls.named(e))
+            .map_err(|e| this.calls.named(e))
+    }
+
+    /// The audit log of forced releases under this client's prefix, of `name` or of every
+    /// resource, newest first. Redis keeps about the last 10,000 records per prefix (a capped
+    /// stream on each node; Redlock merges the nodes' logs); SQLite keeps them all. A routed
+    /// client reads `name`'s backend, or without a name every backend at once, merging their
+    /// logs.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] for a name that is not valid; the error of a backend that
+    /// failed (see [`Partial::complete`]). [`Client::audit_partial`] answers with the other
+    /// backends' records instead.
+    pub async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
+        self.audit_partial(name, None).await?.complete()
+    }
+
+    /// [`Client::audit`], answering with the records of the backends that answered and naming
+    /// each one that did not, as [`Client::list_partial`] does.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`] for a name that is not valid; every other failure is in
+    /// [`Partial::failed`].
+    pub async fn audit_partial(
+        &self,
+        name: Option<&str>,
+        within: Option<Duration>,
+    ) -> Result<Partial<AuditRecord>> {
+        let names = match name {
+            Some(name) => {
+                validate_name(name)?;
+                vec![self.route_of(name)?.to_owned()]
+            }
+            None => self
+                .backends()
+                .into_iter()
+                .map(|(n, _)| n.to_owned())
+                .collect(),
+        };
+        let name = name.map(str::to_owned);
+        let mut partial = self
+            .gather(within, names, move |inner: Arc<ClientInner>| {
+                let name = name.clone();
+                async move { inner.audit_here(name.as_deref()).await }
+            })
+            .await;
+        // Each backend's log is newest first; so is the merge.
+        partial.found.sort_by_key(|r| std::cmp::Reverse(r.at));
+        Ok(partial)
+    }
+}
+
+impl ClientInner {
+    /// [`Client::list`] on this backend, rows labelled with it.
+    async fn list_here(&self, prefix: &str) -> Result<Vec<HeldLock>> {
+        let label = format!("{prefix}*");
+        let mut locks = self
+            .calls
+            .call(&label, self.cfg.op_timeout * 12, self.engine.list(prefix))
+            .await?;
+        for lock in &mut locks {
+            self.calls.backend_label().clone_into(&mut lock.backend);
+        }
+        Ok(locks)
     }
 
     async fn force_release_here(
@@ -401,7 +495,7 @@ impl Client {
         name: &str,
         request: &ForceRelease,
     ) -> Result<Option<AuditRecord>> {
-        let inner = &self.inner;
+        let inner = self;
         let engine = inner.engine.kind();
         let Some(holder) = self.inspect(name).await? else {
             return Ok(None);
@@ -489,52 +583,28 @@ impl Client {
         }
     }
 
-    /// The audit log of forced releases under this client's prefix, of `name` or of every
-    /// resource, newest first. Redis keeps about the last 10,000 records per prefix (a capped
-    /// stream on each node; Redlock merges the nodes' logs); SQLite keeps them all.
-    pub async fn audit(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
-        if let Some(name) = name {
-            validate_name(name)?;
-            return self.on(name)?.audit_here(Some(name)).await;
-        }
-        let mut records = Vec::new();
-        for (_, client) in self.backends() {
-            records.extend(client.audit_here(None).await?);
-        }
-        // Each backend's log is newest first; so is the merge.
-        records.sort_by_key(|r| std::cmp::Reverse(r.at));
-        Ok(records)
-    }
-
     async fn audit_here(&self, name: Option<&str>) -> Result<Vec<AuditRecord>> {
-        let inner = &self.inner;
-        inner
-            .calls
+        self.calls
             .call(
                 name.unwrap_or("*"),
-                inner.cfg.op_timeout * 2,
-                inner.engine.audit(name),
+                self.cfg.op_timeout * 2,
+                self.engine.audit(name),
             )
             .await
     }
 }
 
-/// The backends some name starting with `prefix` routes to: those of the routes whose
-/// prefix starts with `prefix` (longer, more specific routes), and the one that the
-/// longest route `prefix` itself starts with gives (or the default) to every other name.
-fn backends_under<'a>(routes: &'a Routes, prefix: &str) -> BTreeSet<&'a str> {
-    let mut out: BTreeSet<&str> = routes
-        .routes()
-        .filter(|(p, _)| p.starts_with(prefix))
-        .map(|(_, b)| b)
-        .collect();
-    let enclosing = routes
-        .routes()
-        .find(|(p, _)| prefix.starts_with(p))
-        .map(|(_, b)| b)
-        .or(routes.default_backend_name());
-    out.extend(enclosing);
-    out
+/// The backends some name starting with `prefix` routes to (the one backend of a client opened
+/// on one URL).
+fn backends_under(client: &Client, prefix: &str) -> Vec<String> {
+    match client.routes() {
+        Some(routes) => routes
+            .backends_under(prefix)
+            .into_iter()
+            .map(str::to_owned)
+            .collect(),
+        None => vec![client.backend().to_owned()],
+    }
 }
 
 #[cfg(test)]
