@@ -370,3 +370,220 @@ fn the_dashboard_shows_held_locks_and_names_a_failed_backend() {
         c.close().await.unwrap();
     });
 }
+
+/// Serves `page` as HTML to every request on a free loopback port, from a thread that lives as
+/// long as the test: the page of another site, on another origin than the sidecar's.
+fn serve_page(page: String) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                match conn.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/html; charset=utf-8\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n",
+                page.len()
+            );
+            let _ = conn.write_all(head.as_bytes());
+            let _ = conn.write_all(page.as_bytes());
+        }
+    });
+    port
+}
+
+/// The page of another site that tries the attacks of a cross-site request: no-cors posts with
+/// `text/plain` bodies (a forced release, a day-long acquire, a raised fence, a Dapr lock), a
+/// CORS post with the JSON type, and a form whose one field is spelled so that its
+/// `text/plain` body reads as JSON. It sets its title to `done: RESULTS` when all have run.
+fn attack_page(sidecar: &str) -> String {
+    format!(
+        r#"<!doctype html><html><head><title>attacking</title></head><body>
+<form id="f" method="POST" enctype="text/plain" target="sink" action="{sidecar}/v1/acquire">
+<input type="hidden" name='{{"resource":"form-taken","ttl_ms":86400000,"client":"' value='x"}}'>
+</form>
+<iframe name="sink" id="sink"></iframe>
+<script>
+const S = "{sidecar}";
+const post = (path, body) => fetch(S + path, {{method: "POST", mode: "no-cors", body: JSON.stringify(body)}})
+  .then(() => path + " sent", (e) => path + " failed: " + e);
+(async () => {{
+  const results = [];
+  results.push(await post("/v1/force-release", {{resource: "victim", reason: "csrf", holder_is_dead: true}}));
+  results.push(await post("/v1/acquire", {{resource: "nightly-invoices", ttl_ms: 86400000}}));
+  results.push(await post("/v1/fence", {{resource: "ledger", token: 999999999999}}));
+  results.push(await post("/v1.0-alpha1/lock/store", {{resourceId: "dapr-taken", lockOwner: "evil", expiryInSeconds: 86400}}));
+  results.push(await fetch(S + "/v1/acquire", {{method: "POST", headers: {{"Content-Type": "application/json"}},
+      body: JSON.stringify({{resource: "cors-taken", ttl_ms: 86400000}})}})
+    .then((r) => "cors answered " + r.status, (e) => "cors failed: " + e));
+  const sink = document.getElementById("sink");
+  await new Promise((done) => {{ sink.onload = done; document.getElementById("f").submit(); setTimeout(done, 5000); }});
+  document.title = "done: " + results.join("; ");
+}})();
+</script></body></html>"#
+    )
+}
+
+async fn wait_title(c: &Client, prefix: &str, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        last = c.title().await.unwrap_or_default();
+        if last.starts_with(prefix) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        last.starts_with(prefix),
+        "title {last:?} after {limit:?}, waiting for {prefix:?}"
+    );
+    last
+}
+
+/// A page on another site released a live lock, took others for a day and raised the fence,
+/// through the user's browser, from a sidecar without an auth file (no-cors posts with
+/// `text/plain` bodies, a form post); the dashboard's own buttons must keep working.
+#[test]
+fn a_page_from_another_origin_cannot_drive_the_sidecar_but_its_dashboard_can() {
+    let dir = tempdir();
+    let sc = Sidecar::start(dir.path(), &sqlite_url(dir.path()), &[]);
+    let victim = sc.acquire("victim", 60_000, 0);
+    let ledger = sc.acquire("ledger", 60_000, 0);
+    let token = ledger["token"].as_u64().unwrap();
+    let (status, _) = sc.post(
+        "/v1/fence",
+        serde_json::json!({"resource": "ledger", "token": token}),
+    );
+    assert_eq!(status, 200);
+    let evil = serve_page(attack_page(&sc.base));
+    let (_driver, port) = chromedriver(dir.path());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = browser(port, &dir.path().join("profile")).await;
+        c.goto(&format!("http://127.0.0.1:{evil}/")).await.unwrap();
+        let results = wait_title(&c, "done", Duration::from_secs(30)).await;
+        eprintln!("the attacking page: {results}");
+        assert!(sc.held("victim"), "a page released a live lock: {results}");
+        for name in ["nightly-invoices", "form-taken", "dapr-taken", "cors-taken"] {
+            assert!(!sc.held(name), "a page took {name}: {results}");
+        }
+        let (status, fence) = sc.post(
+            "/v1/fence",
+            serde_json::json!({"resource": "ledger", "token": token}),
+        );
+        assert_eq!(status, 200, "a page raised the fence: {fence}");
+
+        // The dashboard, on the sidecar's own origin by both its names, still releases a lock.
+        for (origin, name) in [
+            (sc.base.clone(), "victim"),
+            (format!("http://localhost:{}", sc.port()), "ledger"),
+        ] {
+            c.goto(&format!("{origin}/")).await.unwrap();
+            let row = format!("tr[data-resource='{name}']");
+            wait_text(&c, &format!("{row} .state"), Duration::from_secs(10), |t| {
+                t == "held"
+            })
+            .await;
+            click(&c, Locator::Css(&row)).await;
+            let reason = c.find(Locator::Id("fr-reason")).await.unwrap();
+            reason.clear().await.unwrap();
+            reason
+                .send_keys("released from the dashboard")
+                .await
+                .unwrap();
+            click(&c, Locator::Id("fr-dead")).await;
+            click(&c, Locator::Id("fr-submit")).await;
+            let done = wait_text(&c, "#fr-result .note", Duration::from_secs(5), |t| {
+                !t.is_empty()
+            })
+            .await;
+            assert!(done.starts_with("Released"), "from {origin}: {done}");
+            assert!(!sc.held(name), "{name} released from {origin}");
+        }
+        c.close().await.unwrap();
+    });
+    let _ = victim;
+}
+
+/// The verdict column wrapped "healthy" over two lines beside a long name, and a routed
+/// sidecar's dashboard said "engine sqlite", its default backend's.
+#[test]
+fn the_verdict_stays_on_one_line_and_a_routed_sidecar_names_its_backends() {
+    let dir = tempdir();
+    let config = dir.path().join("routes.toml");
+    let jobs = dir.path().join("jobs.db");
+    std::fs::write(
+        &config,
+        format!(
+            "[backends]\njobs = \"sqlite://{}\"\nlocal = \"{}\"\n\n[[route]]\nprefix = \"jobs/\"\n\
+             backend = \"jobs\"\n\n[default]\nbackend = \"local\"\n",
+            jobs.display(),
+            sqlite_url(dir.path())
+        ),
+    )
+    .unwrap();
+    let sc = Sidecar::start_with(dir.path(), &["--config", config.to_str().unwrap()]);
+    let long = format!(
+        "jobs/{}",
+        "nightly-invoices-for-the-whole-region-".repeat(3)
+    );
+    sc.acquire(&long, 60_000, 0);
+    sc.acquire("short", 60_000, 0);
+    let (_driver, port) = chromedriver(dir.path());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = browser(port, &dir.path().join("profile")).await;
+        c.goto(&sc.url("/")).await.unwrap();
+        let engine = wait_text(&c, "#engine", Duration::from_secs(10), |t| {
+            t.contains("lease")
+        })
+        .await;
+        assert!(
+            engine.contains("routed")
+                && engine.contains("jobs (sqlite)")
+                && engine.contains("local (sqlite)"),
+            "{engine}"
+        );
+        for width in [1280, 1024, 800] {
+            c.set_window_size(width, 1000).await.unwrap();
+            for name in [long.as_str(), "short"] {
+                let row = format!("tr[data-resource='{name}']");
+                wait_text(
+                    &c,
+                    &format!("{row} .verdict"),
+                    Duration::from_secs(10),
+                    |t| t == "healthy",
+                )
+                .await;
+                let lines = c
+                    .execute(
+                        "const td = document.querySelector(arguments[0]);\
+                         const r = document.createRange(); r.selectNodeContents(td);\
+                         return r.getClientRects().length;",
+                        vec![serde_json::json!(format!("{row} .verdict"))],
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(lines, 1, "the verdict of {name} at {width} px wraps");
+            }
+        }
+        screenshot(&c, "dashboard-routed.png").await;
+        c.close().await.unwrap();
+    });
+}

@@ -39,12 +39,13 @@ fn default_ttl() -> u64 {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
-    /// Resource name: 1 to 256 bytes, no control characters.
+    /// Resource name: 1 to 256 bytes, no control characters, bidirectional controls or
+    /// invisible spaces.
     pub resource: String,
     /// Lease TTL in milliseconds (at least 100). Default 30000. The application must keep an
     /// event stream open, or send a keep-alive within every TTL, or the lease is released.
     #[serde(default = "default_ttl")]
-    #[schema(default = 30000)]
+    #[schema(default = 30000, minimum = 100)]
     pub ttl_ms: u64,
     /// How long to wait while another owner holds the lock, in milliseconds. Default 0 (one
     /// attempt). Waiting uses the engine's wake-ups, not polling.
@@ -453,7 +454,12 @@ fn lock_view(
     LockView {
         resource: resource.to_owned(),
         backend: backend.to_owned(),
-        engine: app.client.engine(),
+        engine: app
+            .client
+            .backends()
+            .into_iter()
+            .find(|(name, _)| *name == backend)
+            .map_or_else(|| app.client.engine(), |(_, engine)| engine),
         held: holder.is_some(),
         holder: holder.map(|h| HolderView::of(resource, h)),
         sidecar,
@@ -741,17 +747,42 @@ pub async fn fence(
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
     pub status: &'static str,
+    /// The engine (`sqlite`, `redis`, ...), or `routed` when names are routed among
+    /// `backends` by prefix.
     pub engine: &'static str,
+    /// The backends, by name (`default` for a sidecar on one URL), in name order.
+    pub backends: Vec<BackendView>,
     /// Leases held for applications.
     pub leases: usize,
+}
+
+/// One backend of the sidecar.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BackendView {
+    pub name: String,
+    pub engine: &'static str,
 }
 
 /// Liveness: answers while the server runs (no engine call, no token needed).
 #[utoipa::path(get, path = "/healthz", tag = TAG, responses((status = 200, body = Health)))]
 pub async fn healthz(State(app): St) -> Json<Health> {
+    let routed = app.client.routes().is_some();
     Json(Health {
         status: "ok",
-        engine: app.client.engine(),
+        engine: if routed {
+            "routed"
+        } else {
+            app.client.engine()
+        },
+        backends: app
+            .client
+            .backends()
+            .into_iter()
+            .map(|(name, engine)| BackendView {
+                name: name.to_owned(),
+                engine,
+            })
+            .collect(),
         leases: app.registry.all().len(),
     })
 }

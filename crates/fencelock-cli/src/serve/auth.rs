@@ -12,12 +12,15 @@
 //! two lines may not share a token. The file is read at start-up and again on SIGHUP; a file
 //! that does not parse on reload leaves the previous one in force.
 //!
-//! Tokens are compared in constant time (`subtle`), against every entry, so the time an
-//! answer takes does not tell how much of a guessed token was right.
+//! Only the SHA-256 digest of each token is kept. A presented token is hashed and its digest
+//! compared in constant time (`subtle`) with every entry's: digests all have one length, so
+//! the time an answer takes tells neither how much of a guessed token was right nor how long
+//! the real tokens are.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 /// Who a request comes from.
@@ -48,15 +51,22 @@ impl Principal {
 }
 
 struct Entry {
-    token: Vec<u8>,
+    /// SHA-256 of the token.
+    digest: [u8; 32],
     principal: Principal,
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(&Sha256::digest(token.as_bytes()));
+    out
 }
 
 impl std::fmt::Debug for Entry {
     /// Never the token itself: it is a secret, and debug output ends up in logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Entry")
-            .field("token", &"<redacted>")
+            .field("digest", &"<redacted>")
             .field("principal", &self.principal)
             .finish()
     }
@@ -100,10 +110,11 @@ impl AuthFile {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        let presented = digest(token);
         let mut found = None;
         // Every entry is compared, whatever matched, so timing says nothing about which one.
         for e in entries.iter() {
-            if bool::from(e.token.as_slice().ct_eq(token.as_bytes())) {
+            if bool::from(e.digest[..].ct_eq(&presented[..])) {
                 found = Some(e.principal.clone());
             }
         }
@@ -145,7 +156,8 @@ fn parse(text: &str) -> Result<Vec<Entry>, String> {
         }
         fencelock::validate_name(client)
             .map_err(|_| format!("line {n}: {client:?} is not a valid client name"))?;
-        if entries.iter().any(|e| e.token == token.as_bytes()) {
+        let token_digest = digest(token);
+        if entries.iter().any(|e| e.digest == token_digest) {
             return Err(format!(
                 "line {n}: this token is already given to another line"
             ));
@@ -156,7 +168,7 @@ fn parse(text: &str) -> Result<Vec<Entry>, String> {
             Some(prefixes)
         };
         entries.push(Entry {
-            token: token.as_bytes().to_vec(),
+            digest: token_digest,
             principal: Principal {
                 client: client.to_owned(),
                 prefixes,
@@ -182,6 +194,23 @@ mod tests {
         assert!(e[0].principal.may("billing/run"));
         assert!(!e[0].principal.may("jobs/x"));
         assert!(e[1].principal.may("anything"));
+    }
+
+    /// The comparison returned early when the lengths differed, which told a token's length.
+    #[test]
+    fn tokens_are_kept_and_compared_as_digests_of_one_length() {
+        let token = "9f86d081884c7d659a2feaa0c55ad015a3bf";
+        let e = parse(&format!("{token} billing billing/\n")).unwrap();
+        assert_eq!(e[0].digest, digest(token));
+        assert!(!format!("{:?}", e[0]).contains(token));
+        let file = AuthFile {
+            path: PathBuf::new(),
+            entries: RwLock::new(Arc::new(e)),
+        };
+        assert!(file.check(token).is_some());
+        for wrong in ["", "9f86", &format!("{token}0"), &token[..token.len() - 1]] {
+            assert!(file.check(wrong).is_none(), "{wrong}");
+        }
     }
 
     #[test]

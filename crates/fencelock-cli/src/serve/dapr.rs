@@ -10,17 +10,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Extension, Path, State};
+use axum::extract::{Extension, FromRequest, Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use fencelock::{ErrorKind, LockOptions};
+use serde::de::{DeserializeOwned, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use utoipa::ToSchema;
 
 use super::auth::Principal;
-use super::http::parse_json;
+use super::http::{ApiError, JsonBody};
 use super::leases::{Cmd, Grant, Mode};
 use super::AppState;
 
@@ -34,8 +35,39 @@ pub struct TryLockRequest {
     pub resource_id: String,
     /// The owner's name; unique per request, and needed to unlock.
     pub lock_owner: String,
-    /// How long the lock is held before it expires, in seconds.
+    /// How long the lock is held before it expires, in seconds: a number, or a string of
+    /// digits (protojson writes 64-bit integers so, and reads any integer so).
+    #[serde(deserialize_with = "protojson_int")]
     pub expiry_in_seconds: i64,
+}
+
+/// An integer as protojson reads one: a JSON number without a fraction, or a string of
+/// decimal digits (with a leading `-` for a negative one).
+fn protojson_int<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    struct Int;
+    impl Visitor<'_> for Int {
+        type Value = i64;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a whole number of seconds, as a number or a string of digits")
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<i64, E> {
+            Ok(v)
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<i64, E> {
+            i64::try_from(v).map_err(|_| E::custom(format!("{v} is too large")))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<i64, E> {
+            let digits = v.strip_prefix('-').unwrap_or(v);
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(E::custom(format!(
+                    "{v:?} is not a whole number of seconds; send 60 or \"60\""
+                )));
+            }
+            v.parse()
+                .map_err(|_| E::custom(format!("{v:?} is too large")))
+        }
+    }
+    d.deserialize_any(Int)
 }
 
 /// Dapr's lock response, plus the fencing token.
@@ -84,6 +116,37 @@ fn dapr_error(status: StatusCode, code: &'static str, message: impl Into<String>
         .into_response()
 }
 
+/// Whether `path` is one of Dapr's routes, whose errors take Dapr's shape.
+pub fn is_dapr(path: &str) -> bool {
+    path.starts_with("/v1.0-alpha1/")
+}
+
+/// A refusal of the sidecar's own (a body too large or not JSON, a foreign Host or Origin, no
+/// token) in Dapr's shape, with the code Dapr gives the nearest case.
+pub fn refusal_of(e: ApiError) -> Response {
+    let code = match e.status {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN | StatusCode::MISDIRECTED_REQUEST => {
+            "ERR_PERMISSION_DENIED"
+        }
+        _ => "ERR_MALFORMED_REQUEST",
+    };
+    dapr_error(e.status, code, e.body.message)
+}
+
+/// A JSON body whose refusals (not JSON, too large, trailing characters) have Dapr's shape.
+pub struct DaprBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for DaprBody<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Response> {
+        JsonBody::from_request(req, state)
+            .await
+            .map(|JsonBody(t)| DaprBody(t))
+            .map_err(refusal_of)
+    }
+}
+
 fn malformed(message: impl Into<String>) -> Response {
     dapr_error(StatusCode::BAD_REQUEST, "ERR_MALFORMED_REQUEST", message)
 }
@@ -119,12 +182,8 @@ pub async fn lock(
     State(app): State<Arc<AppState>>,
     Extension(who): Extension<Principal>,
     Path(_store): Path<String>,
-    body: axum::body::Bytes,
+    DaprBody(req): DaprBody<TryLockRequest>,
 ) -> Response {
-    let req: TryLockRequest = match parse_json(&body) {
-        Ok(r) => r,
-        Err(e) => return malformed(e.body.message),
-    };
     if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
         return r;
     }
@@ -198,12 +257,8 @@ pub async fn unlock(
     State(app): State<Arc<AppState>>,
     Extension(who): Extension<Principal>,
     Path(_store): Path<String>,
-    body: axum::body::Bytes,
+    DaprBody(req): DaprBody<UnlockRequest>,
 ) -> Response {
-    let req: UnlockRequest = match parse_json(&body) {
-        Ok(r) => r,
-        Err(e) => return malformed(e.body.message),
-    };
     if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
         return r;
     }

@@ -21,9 +21,8 @@ use super::AppState;
 /// The body of every error answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// A stable code: `invalid_input`, `unauthorized`, `forbidden`, `not_found`, `held`,
-    /// `timed_out`, `not_holder`, `lost`, `holder_alive`, `stale_token`, `engine`,
-    /// `deadline`, `too_large`, `shutting_down`.
+    /// A stable code, one of [`ErrorCode`]'s.
+    #[schema(value_type = ErrorCode)]
     pub error: &'static str,
     /// What went wrong and what to do, in one sentence.
     pub message: String,
@@ -35,6 +34,50 @@ pub struct ErrorBody {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = HolderView, required = false)]
     pub holder: Option<HolderView>,
+}
+
+/// The codes of [`ErrorBody::error`], for the OpenAPI document (the answers write them as
+/// strings; a unit test checks that every code written is listed here).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum ErrorCode {
+    /// 400: a bad request field, named by `field`.
+    InvalidInput,
+    /// 401: no valid bearer token (with an auth file).
+    Unauthorized,
+    /// 403: a name outside the token's prefixes.
+    Forbidden,
+    /// 403: refused by a TTL cap or a per-client quota stored in the engine.
+    Limit,
+    /// 403: an `Origin` other than the sidecar's own.
+    CrossOrigin,
+    /// 404: no such lease or route.
+    NotFound,
+    /// 409: held by another owner.
+    Held,
+    /// 409: still held when the wait ran out.
+    TimedOut,
+    /// 409: the lease had expired or been taken.
+    NotHolder,
+    /// 409: a forced release refused while the holder looks alive.
+    HolderAlive,
+    /// 409: a stale fencing token.
+    StaleToken,
+    /// 410: the lease has ended.
+    Lost,
+    /// 413: a body over 64 KiB.
+    TooLarge,
+    /// 415: a body not sent as `Content-Type: application/json`.
+    ContentType,
+    /// 421: a `Host` the sidecar is not served as.
+    Misdirected,
+    /// 503: the engine failed or is unreachable.
+    Engine,
+    /// 503: the request's deadline passed.
+    Deadline,
+    /// 503: the sidecar is shutting down.
+    ShuttingDown,
 }
 
 /// An error answer: a status and an [`ErrorBody`].
@@ -112,8 +155,18 @@ impl IntoResponse for ApiError {
 /// The largest request body accepted.
 pub const MAX_BODY: usize = 64 * 1024;
 
+/// An error answer in the shape of the route's API: Dapr's error body on Dapr's routes.
+pub fn refuse(path: &str, e: ApiError) -> Response {
+    if super::dapr::is_dapr(path) {
+        super::dapr::refusal_of(e)
+    } else {
+        e.into_response()
+    }
+}
+
 /// A JSON body whose refusal names the field: `serde_path_to_error` tracks where the
-/// deserializer was when it failed. Any content type is read as JSON, so `curl -d` works.
+/// deserializer was when it failed. Its content type was checked before (see `browser`): only
+/// `application/json` is read.
 pub struct JsonBody<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
@@ -137,9 +190,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// One JSON value, and nothing after it but whitespace.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.inner().to_string();
         // A missing field fails at the object, so the path names its parent: take the name
@@ -150,7 +204,14 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             _ => path,
         };
         ApiError::field(&field, format!("{field}: {inner}"))
-    })
+    })?;
+    de.end().map_err(|e| {
+        ApiError::field(
+            "body",
+            format!("body: trailing characters after the JSON value ({e}); send one JSON value"),
+        )
+    })?;
+    Ok(value)
 }
 
 /// Checks the bearer token (when there is an auth file) and puts the [`Principal`] into the
@@ -167,17 +228,16 @@ pub async fn authenticate(
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim);
+                .and_then(bearer);
             match presented.and_then(|t| auth.check(t)) {
                 Some(p) => p,
                 None => {
-                    let mut r = ApiError::new(
+                    let e = ApiError::new(
                         StatusCode::UNAUTHORIZED,
                         "unauthorized",
                         "send a valid token from the auth file: Authorization: Bearer TOKEN",
-                    )
-                    .into_response();
+                    );
+                    let mut r = refuse(req.uri().path(), e);
                     r.headers_mut()
                         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
                     return r;
@@ -187,6 +247,14 @@ pub async fn authenticate(
     };
     req.extensions_mut().insert(principal);
     next.run(req).await
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme's case does not matter
+/// (RFC 9110, section 11.1).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
 /// Counts and times every request by route, and gives it a deadline. Acquire and the event
@@ -365,6 +433,91 @@ pub mod tls {
 
         fn local_addr(&self) -> io::Result<SocketAddr> {
             Ok(self.local)
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER\tabc "), Some("abc"));
+        assert_eq!(bearer("Bearer   abc"), Some("abc"));
+        for no in ["Basic abc", "Bearerabc", "Bearer", "Bearer   ", "", "abc"] {
+            assert_eq!(bearer(no), None, "{no:?}");
+        }
+    }
+
+    #[test]
+    fn one_json_value_and_nothing_after_it() {
+        #[derive(serde::Deserialize)]
+        struct Body {
+            #[allow(dead_code)]
+            a: u8,
+        }
+        assert!(parse_json::<Body>(b"{\"a\": 1} \n").is_ok());
+        for junk in [&b"{\"a\": 1} x"[..], b"{\"a\": 1}{}", b"{\"a\": 1} 2"] {
+            let e = parse_json::<Body>(junk).err().unwrap();
+            assert_eq!(e.body.field.as_deref(), Some("body"));
+        }
+    }
+
+    /// Every code an answer is written with is listed in the document's `ErrorCode`: the
+    /// codes follow a status (`StatusCode::X, "code"`) or are set on a body.
+    #[test]
+    fn every_error_code_written_is_documented() {
+        let schema = serde_json::to_value(<ErrorCode as utoipa::PartialSchema>::schema()).unwrap();
+        let listed: Vec<&str> = schema["enum"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect();
+        let sources = [
+            include_str!("http.rs"),
+            include_str!("api.rs"),
+            include_str!("browser.rs"),
+            include_str!("leases.rs"),
+            include_str!("mod.rs"),
+        ];
+        let mut written = Vec::new();
+        for src in sources {
+            // The code, not its tests.
+            let src = src.split("#[cfg(test)]").next().unwrap();
+            for (marker, after) in [("StatusCode::", true), ("body.error = ", false)] {
+                for (at, _) in src.match_indices(marker) {
+                    let mut rest = &src[at + marker.len()..];
+                    if after {
+                        let end = rest
+                            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                            .unwrap_or(rest.len());
+                        rest = rest[end..].trim_start();
+                        let Some(r) = rest.strip_prefix(',') else {
+                            continue;
+                        };
+                        rest = r.trim_start();
+                    }
+                    let Some(r) = rest.strip_prefix('"') else {
+                        continue;
+                    };
+                    let code = &r[..r.find('"').unwrap()];
+                    if !code.starts_with("ERR_") {
+                        written.push(code.to_owned());
+                    }
+                }
+            }
+        }
+        assert!(written.len() > 10, "{written:?}");
+        for code in written {
+            assert!(
+                listed.contains(&code.as_str()),
+                "{code} is not in ErrorCode: {listed:?}"
+            );
         }
     }
 }

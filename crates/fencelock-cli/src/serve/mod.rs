@@ -27,11 +27,13 @@ use crate::{exit, BackendArg, Exit};
 
 mod api;
 mod auth;
+mod browser;
 mod dapr;
 mod dashboard;
 mod fence;
 mod http;
 mod leases;
+mod openapi;
 mod views;
 
 #[derive(Args, Debug)]
@@ -59,10 +61,19 @@ pub struct ServeArgs {
     /// restart; for tests and demos), redis://host:port or postgres://user@host/db.
     #[arg(long, default_value = "memory", value_name = "memory|URL")]
     fence: String,
-    /// Deadline of every request (acquire: its wait plus this).
+    /// Deadline of every request (acquire: its wait plus this); at least 100ms.
     #[arg(long, default_value = "10s", value_parser = crate::parse_duration)]
     request_timeout: Duration,
+    /// Another URL the sidecar is reached by (a DNS name, a proxy in front of it), such as
+    /// https://locks.example.com; repeatable. Requests naming another host, or sent by pages
+    /// of another origin, are refused (docs/sidecar.md, "Browsers").
+    #[arg(long, value_name = "URL")]
+    public_url: Vec<String>,
 }
+
+/// The shortest `--request-timeout`: a deadline shorter than an engine round trip only turns
+/// every request into a 503.
+const MIN_REQUEST_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// What every handler shares.
 pub struct AppState {
@@ -80,8 +91,7 @@ pub struct AppState {
     info(title = "fencelock serve", description = "Distributed locks with fencing tokens, over HTTP: \
         blocking acquire, leases kept alive by an event stream or keep-alives, the stuck-lock \
         runbook, a fence, and Dapr's lock API."),
-    modifiers(&BearerAuth),
-    security(("bearer" = []))
+    modifiers(&BearerAuth)
 )]
 struct ApiDoc;
 
@@ -118,15 +128,18 @@ fn api_router() -> OpenApiRouter<Arc<AppState>> {
 }
 
 /// The whole application: the authenticated API, and the public pages (health, the OpenAPI
-/// document, the dashboard's page, which holds no data and asks for a token itself).
-fn app(state: Arc<AppState>) -> axum::Router {
+/// document, the dashboard's page, which holds no data and asks for a token itself), all
+/// behind the checks that keep other sites' pages out (`browser`).
+fn app(state: Arc<AppState>, served: Arc<browser::Served>) -> axum::Router {
     let (api, mut doc) = api_router().split_for_parts();
+    openapi::authenticated(&mut doc);
     let (public, public_doc) = OpenApiRouter::new()
         .routes(routes!(api::healthz))
         .routes(routes!(dashboard::page))
         .routes(routes!(openapi_json))
         .split_for_parts();
     doc.merge(public_doc);
+    openapi::refusals(&mut doc);
     let doc = Arc::new(
         doc.to_json()
             .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")),
@@ -136,6 +149,7 @@ fn app(state: Arc<AppState>) -> axum::Router {
         http::authenticate,
     ));
     api.merge(public)
+        .layer(middleware::from_fn_with_state(served, browser::guard))
         .layer(axum::Extension(OpenApiText(doc)))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -201,6 +215,19 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
             args.listen
         ))
     })?;
+    if args.request_timeout < MIN_REQUEST_TIMEOUT {
+        return Err(usage(format!(
+            "--request-timeout {}: give at least 100ms; a shorter deadline answers every \
+             request 503",
+            crate::human_duration(args.request_timeout)
+        )));
+    }
+    let public = args
+        .public_url
+        .iter()
+        .map(|u| browser::PublicUrl::parse(u))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(usage)?;
     let auth = match &args.auth_file {
         Some(path) => Some(auth::AuthFile::load(path).map_err(usage)?),
         None if !addr.ip().is_loopback() => {
@@ -240,6 +267,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
         metrics,
         request_timeout: args.request_timeout,
     });
+    let served = Arc::new(browser::Served::new(local, tls.is_some(), &public));
     let scheme = if tls.is_some() { "https" } else { "http" };
     eprintln!(
         "fencelock: serving {} locks on {scheme}://{local}/ (dashboard at /, API at /openapi.json)",
@@ -248,7 +276,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
 
     let (stopping, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(signals(state.clone(), stopping));
-    let router = app(state.clone());
+    let router = app(state.clone(), served);
     let mut on_signal = stopped.clone();
     let stop = async move {
         let _ = on_signal.wait_for(|s| *s).await;

@@ -142,6 +142,86 @@ impl Sidecar {
         self.call_as(self.token.as_deref(), "POST", path, Some(body))
     }
 
+    /// The port the sidecar listens on.
+    pub fn port(&self) -> u16 {
+        self.base.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// One HTTP/1.1 request written by hand, so that any header can be sent as it is (a
+    /// foreign `Host`, an `Origin`, any `Content-Type` or none): `headers` are sent as given,
+    /// with `Host: 127.0.0.1:PORT` unless they carry a `Host` (or `host_absent`), and
+    /// `Content-Length` when there is a body. Returns the status and the JSON answer
+    /// (`Value::Null` when the body is not JSON).
+    pub fn raw(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> (u16, Value) {
+        self.raw_request(method, path, headers, body, false)
+    }
+
+    /// [`Sidecar::raw`] without any `Host` header.
+    pub fn raw_without_host(&self, method: &str, path: &str) -> (u16, Value) {
+        self.raw_request(method, path, &[], None, true)
+    }
+
+    fn raw_request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        host_absent: bool,
+    ) -> (u16, Value) {
+        use std::io::{Read, Write};
+        let addr = format!("127.0.0.1:{}", self.port());
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        conn.set_write_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+        if !host_absent && !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+            head.push_str(&format!("Host: {addr}\r\n"));
+        }
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        if let Some(b) = body {
+            head.push_str(&format!("Content-Length: {}\r\n", b.len()));
+        }
+        head.push_str("\r\n");
+        conn.write_all(head.as_bytes()).unwrap();
+        // A server that refuses early may close before the whole body is written, or reset
+        // the connection after answering: what it answered is what counts.
+        if let Some(b) = body {
+            let _ = conn.write_all(b);
+        }
+        let mut answer = Vec::new();
+        let _ = conn.read_to_end(&mut answer);
+        let split = answer.windows(4).position(|w| w == b"\r\n\r\n");
+        let (head, body) = match split {
+            Some(at) => (&answer[..at], &answer[at + 4..]),
+            None => (&answer[..], &[][..]),
+        };
+        let head = String::from_utf8_lossy(head);
+        let status = head.split(' ').nth(1).and_then(|s| s.parse::<u16>().ok());
+        assert!(status.is_some(), "not an HTTP answer: {head:?}");
+        let status = status.unwrap();
+        let chunked = head.lines().any(|l| {
+            l.to_ascii_lowercase()
+                .starts_with("transfer-encoding: chunked")
+        });
+        let body = if chunked {
+            dechunk(body)
+        } else {
+            body.to_vec()
+        };
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+
     /// Acquires `resource`, which must succeed; returns the lease.
     pub fn acquire(&self, resource: &str, ttl_ms: u64, wait_ms: u64) -> Value {
         let (status, lease) = self.post(
@@ -233,4 +313,20 @@ pub fn artifact_dir() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sidecar");
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// The body of a chunked HTTP/1.1 answer.
+fn dechunk(mut rest: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+        let size = String::from_utf8_lossy(&rest[..eol]);
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        let after = &rest[eol + 2..];
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.extend_from_slice(&after[..n]);
+        rest = after[n..].strip_prefix(b"\r\n").unwrap_or(&after[n..]);
+    }
+    out
 }
