@@ -37,10 +37,11 @@ pub struct ListArgs {
 #[derive(Args, Debug)]
 #[command(
     after_help = "Refused (exit 75) while the holder looks alive: its process still \
-    exists on this host (same host name), or, for a holder on another host, its last renewal \
-    is not yet overdue (TTL/3 plus half of that, at least 1 s more). A holder whose process is \
-    gone from this host counts as dead. --holder-is-dead overrides the check. Exit 0 when \
-    released or already free."
+    exists on this host (same host name), or it is gone but work it supervised under the lease \
+    still runs here (the supervisor or command of a killed `fencelock run`), or, for a holder \
+    on another host, its last renewal is not yet overdue (TTL/3 plus half of that, at least \
+    1 s more). A holder whose process and supervised work are gone from this host counts as \
+    dead. --holder-is-dead overrides the check. Exit 0 when released or already free."
 )]
 pub struct ReleaseArgs {
     #[command(flatten)]
@@ -407,6 +408,17 @@ fn held_json(name: &str, engine: &str, backend: &str, h: &Holder) -> String {
                 fencelock::ProcessState::Gone => "gone",
                 _ => "not-checked",
             }),
+        ),
+        (
+            "supervised",
+            Json::Raw(format!(
+                "[{}]",
+                a.supervised
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )),
         ),
         ("looks_alive", Json::Bool(a.looks_alive)),
         ("reason", Json::OwnedStr(a.reason.clone())),

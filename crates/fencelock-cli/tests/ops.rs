@@ -79,11 +79,34 @@ fn hold(sb: &Sandbox, url: &str, opts: &[&str], name: &str, tag: &str) -> (commo
 }
 
 /// SIGKILL to a holder and its command: nothing is left to release the lock. The holder is
-/// reaped, so its pid is gone rather than a zombie.
+/// reaped, so its pid is gone rather than a zombie, and so is the command's supervisor, which
+/// the liveness check would otherwise find still at work under the lease.
 fn kill_holder(holder: &mut common::Proc, command: Pid) {
+    let supervisor = parent_of(command);
     kill(holder.pid(), Signal::SIGKILL).unwrap();
     let _ = killpg(command, Signal::SIGKILL);
     holder.wait(FINISH).unwrap();
+    if let Some(supervisor) = supervisor {
+        let gone = poll_until(FINISH, || {
+            parent_of(supervisor).is_none() || zombie(supervisor)
+        });
+        assert!(gone, "the supervisor {supervisor} outlived its command");
+    }
+}
+
+fn stat_fields(pid: Pid) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+fn parent_of(pid: Pid) -> Option<Pid> {
+    let ppid = stat_fields(pid)?.get(1)?.parse().ok()?;
+    Some(Pid::from_raw(ppid))
+}
+
+fn zombie(pid: Pid) -> bool {
+    stat_fields(pid).is_some_and(|f| f[0] == "Z" || f[0] == "X")
 }
 
 /// Refused against a live holder; after the holder is SIGKILLed (its lock still has most of a
