@@ -81,8 +81,8 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
     let on = client.backend_for(&args.name).map_err(fail)?;
     let (engine, backend) = (on.engine(), on.backend());
     match (holder, args.json) {
-        (Some(h), true) => println!("{}", held_json(&args.name, engine, backend, &h)),
-        (None, true) => println!(
+        (Some(h), true) => outln!("{}", held_json(&args.name, engine, backend, &h)),
+        (None, true) => outln!(
             "{}",
             object(&[
                 ("resource", Json::Str(&args.name)),
@@ -91,8 +91,8 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
                 ("held", Json::Bool(false)),
             ])
         ),
-        (Some(h), false) => print!("{}", held_text(&args.name, &h)),
-        (None, false) => println!("{}: free", args.name),
+        (Some(h), false) => out!("{}", held_text(&args.name, &h)),
+        (None, false) => outln!("{}: free", args.name),
     }
     Ok(0)
 }
@@ -109,13 +109,13 @@ pub async fn list(args: ListArgs) -> Result<u8> {
                 held_json(&l.resource, engine, &l.backend, &l.holder)
             })
             .collect();
-        println!("[{}]", items.join(","));
+        outln!("[{}]", items.join(","));
     } else if locks.is_empty() && args.name_prefix.is_empty() {
-        println!("no held locks");
+        outln!("no held locks");
     } else if locks.is_empty() {
-        println!("no held locks starting with {:?}", args.name_prefix);
+        outln!("no held locks starting with {:?}", args.name_prefix);
     } else {
-        print!("{}", table(&locks));
+        out!("{}", table(&locks));
     }
     Ok(0)
 }
@@ -138,10 +138,10 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
             let record = record_json(&r);
             // The record's object, with the nodes that did not release it (Redlock).
             let body = record.strip_suffix('}').unwrap_or(&record);
-            println!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
+            outln!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
         }
         Some(r) => {
-            println!(
+            outln!(
                 "{}: force-released from {}; fencing counter now {}, so the old token is \
                  stale; recorded in the audit log",
                 shown(&r.resource),
@@ -161,7 +161,7 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 }
             }
         }
-        None if args.json => println!(
+        None if args.json => outln!(
             "{}",
             object(&[
                 ("resource", Json::Str(&args.name)),
@@ -169,7 +169,7 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 ("released", Json::Bool(false)),
             ])
         ),
-        None => println!("{}: free; nothing to release", args.name),
+        None => outln!("{}: free; nothing to release", args.name),
     }
     Ok(0)
 }
@@ -182,12 +182,12 @@ pub async fn audit(args: AuditArgs) -> Result<u8> {
     let records = client.audit(args.name.as_deref()).await.map_err(fail)?;
     if args.json {
         let items: Vec<String> = records.iter().map(record_json).collect();
-        println!("[{}]", items.join(","));
+        outln!("[{}]", items.join(","));
     } else if records.is_empty() {
-        println!("no forced releases recorded");
+        outln!("no forced releases recorded");
     } else {
         for r in &records {
-            print!("{}", record_text(r));
+            out!("{}", record_text(r));
         }
     }
     Ok(0)
