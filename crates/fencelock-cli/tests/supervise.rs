@@ -96,6 +96,11 @@ fn assert_no_overlap(sb: &Sandbox, what: &str) {
         "{what}: the first holder's command wrote at {last_a}, after the second holder began \
          at {first_b}"
     );
+    // Shown with --nocapture: how much room the switch left.
+    eprintln!(
+        "{what}: the first command's last write came {:.1} ms before the second's first",
+        (first_b - last_a) as f64 / 1e6
+    );
 }
 
 /// SIGHUP to fencelock reaches the command (which dies of it) instead of killing fencelock
