@@ -42,9 +42,9 @@ pub async fn acl(args: AclArgs) -> Result<u8> {
         .access_plan(&args.backend.prefix, &args.user, &read_only)
         .map_err(fail)?;
     if args.json {
-        println!("{}", to_json(&plan, &args.backend.prefix));
+        outln!("{}", to_json(&plan, &args.backend.prefix));
     } else {
-        print!("{}", to_text(&plan, &args.backend.prefix));
+        out!("{}", to_text(&plan, &args.backend.prefix));
     }
     Ok(0)
 }

@@ -36,7 +36,7 @@ struct Timeline {
 impl Timeline {
     fn log(&self, what: String) {
         let at = self.start.elapsed();
-        println!("{:>7.1} ms  {what}", at.as_secs_f64() * 1000.0);
+        outln!("{:>7.1} ms  {what}", at.as_secs_f64() * 1000.0);
     }
 }
 
@@ -69,7 +69,7 @@ pub async fn demo(args: DemoArgs) -> Result<u8> {
         fence: MemoryFence::new(),
         billed: Mutex::new(Vec::new()),
     });
-    println!(
+    outln!(
         "fencelock demo: {WORKERS} workers race for {job:?} on {} (TTL {})",
         client.url(),
         crate::human_duration(ttl)
@@ -172,17 +172,17 @@ pub async fn demo(args: DemoArgs) -> Result<u8> {
         .map(|c| (c.to_string(), billed.iter().filter(|(b, _)| b == c).count()))
         .collect();
     per_customer.sort();
-    println!();
-    println!("outcome:");
+    outln!();
+    outln!("outcome:");
     for (c, n) in &per_customer {
-        println!("  {c:<8} billed {n} time(s)");
+        outln!("  {c:<8} billed {n} time(s)");
     }
-    println!("  stale writes refused by the ledger: {rejected}");
+    outln!("  stale writes refused by the ledger: {rejected}");
     if per_customer.iter().any(|(_, n)| *n != 1) || rejected != CUSTOMERS.len() {
-        println!("  FAILED: the fence let a stale write through");
+        outln!("  FAILED: the fence let a stale write through");
         return Ok(1);
     }
-    println!(
+    outln!(
         "  every customer was billed exactly once, although two workers believed they held the job"
     );
     Ok(0)

@@ -115,7 +115,7 @@ pub async fn redis(url: &fencelock::RedisUrl, prefix: &str) -> usize {
         return 0;
     };
     let user = url.user.clone().unwrap_or_else(|| "default".into());
-    println!("ACL user {user:?}, prefix {prefix:?}");
+    outln!("ACL user {user:?}, prefix {prefix:?}");
     let mut problems = 0;
     for (node, client) in url.nodes.iter().zip(clients) {
         let found = tokio::time::timeout(
@@ -129,13 +129,13 @@ pub async fn redis(url: &fencelock::RedisUrl, prefix: &str) -> usize {
                 for (warn, text) in lines {
                     if warn {
                         problems += 1;
-                        println!("  WARN  {node}: {text}");
+                        outln!("  WARN  {node}: {text}");
                     } else {
-                        println!("  ok    {node}: {text}");
+                        outln!("  ok    {node}: {text}");
                     }
                 }
             }
-            Err(why) => println!("  note  {node}: ACL not checked: {why}"),
+            Err(why) => outln!("  note  {node}: ACL not checked: {why}"),
         }
     }
     problems

@@ -93,17 +93,18 @@ pub async fn elect(args: ElectArgs) -> Result<u8> {
 }
 
 async fn listen(election: &fencelock::Election) -> Result<u8> {
-    use std::io::Write;
     let mut rx = election.observe().await.map_err(fail)?;
     loop {
         let line = match &*rx.borrow_and_update() {
             Some(l) => format!("{}\t{}", l.value, l.token),
             None => "-\t-".to_owned(),
         };
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-        drop(out);
+        outln!("{line}");
+        // No one reads any more (a closed pipe), or nothing can be written: watching on
+        // would print to no one for ever.
+        if crate::out::failed() {
+            return Ok(0);
+        }
         tokio::select! {
             r = rx.changed() => if r.is_err() { return Ok(0) },
             _ = tokio::signal::ctrl_c() => return Ok(0),

@@ -73,14 +73,14 @@ pub async fn limits(args: LimitsArgs) -> Result<u8> {
             }
             let client = connect(&a.backend, "fencelock-limits").await?;
             client.set_limits(&limits).await.map_err(fail)?;
-            println!("limits of {:?}: {limits}", a.backend.prefix);
+            outln!("limits of {:?}: {limits}", a.backend.prefix);
             client.close().await;
             Ok(0)
         }
         Action::Clear(a) => {
             let client = connect(&a.backend, "fencelock-limits").await?;
             client.set_limits(&Limits::default()).await.map_err(fail)?;
-            println!("limits of {:?}: none", a.backend.prefix);
+            outln!("limits of {:?}: none", a.backend.prefix);
             client.close().await;
             Ok(0)
         }
@@ -119,13 +119,13 @@ async fn show(a: ShowArgs) -> Result<u8> {
                 ),
             })
             .collect();
-        println!("[{}]", out.join(","));
+        outln!("[{}]", out.join(","));
     } else {
         for n in &nodes {
             match &n.limits {
-                Ok(Some(l)) => println!("{}\t{l}", n.node),
-                Ok(None) => println!("{}\tno limits", n.node),
-                Err(e) => println!("{}\tunreadable: {e}", n.node),
+                Ok(Some(l)) => outln!("{}\t{l}", n.node),
+                Ok(None) => outln!("{}\tno limits", n.node),
+                Err(e) => outln!("{}\tunreadable: {e}", n.node),
             }
         }
     }

@@ -1,4 +1,6 @@
 //! The `fencelock` command line: argument parsing and exit codes around the library.
+// Output goes through `outln!`/`out!` (module `out`): `println!` panics on a closed pipe.
+#![warn(clippy::print_stdout)]
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -6,6 +8,10 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fencelock::{Client, ErrorKind};
+
+// First: its macros are visible only to the modules declared after it.
+#[macro_use]
+mod out;
 
 mod acl;
 mod chaos;
@@ -36,6 +42,9 @@ pub mod exit {
     pub const SUPERVISOR: u8 = 70;
     /// The lease was lost while the command ran; the command was terminated.
     pub const LEASE_LOST: u8 = 79;
+    /// The output could not be written (a full disk), though the command did its work
+    /// (EX_IOERR). A closed pipe is not an error.
+    pub const IO: u8 = 74;
     /// `list` or `audit` printed what the backends that answered hold, but at least one
     /// backend of the routing configuration failed (named on stderr).
     pub const PARTIAL: u8 = 80;
@@ -52,8 +61,9 @@ pub mod exit {
     after_help = "Exit codes: 64 invalid input, 69 engine unavailable, 70 the command's \
                   supervisor died (the command was killed), 75 held elsewhere (or a forced \
                   release refused: the holder looks alive), 77 refused by a limit stored in \
-                  the engine, 79 lease lost while running, 80 list or audit partial (a \
-                  backend failed; named on stderr); otherwise the command's own status."
+                   the engine, 74 the output could not be written (a closed pipe ends it \
+                   quietly), 79 lease lost while running, 80 list or audit partial (a \
+                   backend failed; named on stderr); otherwise the command's own status."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -245,13 +255,13 @@ async fn key(name: &str, backend: &BackendArg) -> Result<u8> {
         config::Target::Routes(routes) => {
             let chosen = routes.backend_for(name).map_err(fail)?;
             let url = routes.url_of(chosen).unwrap_or_default().to_owned();
-            println!("backend\t{chosen}\t{}", fencelock::redact_url(&url));
+            outln!("backend\t{chosen}\t{}", fencelock::redact_url(&url));
             url
         }
     };
     let parsed = fencelock::Backend::parse(&url).map_err(fail)?;
     for (label, key) in parsed.keys(&backend.prefix, name).map_err(fail)? {
-        println!("{label}\t{key}");
+        outln!("{label}\t{key}");
     }
     Ok(0)
 }
@@ -306,14 +316,15 @@ fn main() -> ExitCode {
             Command::ChaosWorker(args) => chaos::worker(args).await,
         }
     });
-    match result {
-        Ok(code) => ExitCode::from(code),
+    let code = match result {
+        Ok(code) => code,
         Err(e) => match e.downcast_ref::<Exit>() {
-            Some(Exit(code)) => ExitCode::from(*code),
+            Some(Exit(code)) => *code,
             None => {
                 eprintln!("fencelock: {e:#}");
-                ExitCode::from(exit::UNAVAILABLE)
+                exit::UNAVAILABLE
             }
         },
-    }
+    };
+    ExitCode::from(out::exit_code(code))
 }

@@ -37,10 +37,11 @@ pub struct ListArgs {
 #[derive(Args, Debug)]
 #[command(
     after_help = "Refused (exit 75) while the holder looks alive: its process still \
-    exists on this host (same host name), or, for a holder on another host, its last renewal \
-    is not yet overdue (TTL/3 plus half of that, at least 1 s more). A holder whose process is \
-    gone from this host counts as dead. --holder-is-dead overrides the check. Exit 0 when \
-    released or already free."
+    exists on this host (same host name), or it is gone but work it supervised under the lease \
+    still runs here (the supervisor or command of a killed `fencelock run`), or, for a holder \
+    on another host, its last renewal is not yet overdue (TTL/3 plus half of that, at least \
+    1 s more). A holder whose process and supervised work are gone from this host counts as \
+    dead. --holder-is-dead overrides the check. Exit 0 when released or already free."
 )]
 pub struct ReleaseArgs {
     #[command(flatten)]
@@ -80,8 +81,8 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
     let on = client.backend_for(&args.name).await.map_err(fail)?;
     let (engine, backend) = (on.engine(), on.backend());
     match (holder, args.json) {
-        (Some(h), true) => println!("{}", held_json(&args.name, engine, backend, &h)),
-        (None, true) => println!(
+        (Some(h), true) => outln!("{}", held_json(&args.name, engine, backend, &h)),
+        (None, true) => outln!(
             "{}",
             object(&[
                 ("resource", Json::Str(&args.name)),
@@ -90,8 +91,8 @@ pub async fn inspect(args: InspectArgs) -> Result<u8> {
                 ("held", Json::Bool(false)),
             ])
         ),
-        (Some(h), false) => print!("{}", held_text(&args.name, &h)),
-        (None, false) => println!("{}: free", args.name),
+        (Some(h), false) => out!("{}", held_text(&args.name, &h)),
+        (None, false) => outln!("{}: free", args.name),
     }
     Ok(0)
 }
@@ -114,7 +115,7 @@ pub async fn list(args: ListArgs) -> Result<u8> {
                 held_json(&l.resource, engine, &l.backend, &l.holder)
             })
             .collect();
-        println!("[{}]", items.join(","));
+        outln!("[{}]", items.join(","));
     } else if locks.is_empty() {
         let under = if args.name_prefix.is_empty() {
             String::new()
@@ -126,9 +127,9 @@ pub async fn list(args: ListArgs) -> Result<u8> {
         } else {
             format!(" on {}", listing.answered.join(", "))
         };
-        println!("no held locks{under}{on}");
+        outln!("no held locks{under}{on}");
     } else {
-        print!("{}", table(locks));
+        out!("{}", table(locks));
     }
     Ok(partial_exit(&listing, "locks"))
 }
@@ -181,10 +182,10 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
             let record = record_json(&r);
             // The record's object, with the nodes that did not release it (Redlock).
             let body = record.strip_suffix('}').unwrap_or(&record);
-            println!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
+            outln!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
         }
         Some(r) => {
-            println!(
+            outln!(
                 "{}: force-released from {}; fencing counter now {}, so the old token is \
                  stale; recorded in the audit log",
                 shown(&r.resource),
@@ -204,7 +205,7 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 }
             }
         }
-        None if args.json => println!(
+        None if args.json => outln!(
             "{}",
             object(&[
                 ("resource", Json::Str(&args.name)),
@@ -212,7 +213,7 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 ("released", Json::Bool(false)),
             ])
         ),
-        None => println!("{}: free; nothing to release", args.name),
+        None => outln!("{}: free; nothing to release", args.name),
     }
     Ok(0)
 }
@@ -230,19 +231,19 @@ pub async fn audit(args: AuditArgs) -> Result<u8> {
     let records = &listing.found;
     if args.json {
         let items: Vec<String> = records.iter().map(record_json).collect();
-        println!("[{}]", items.join(","));
+        outln!("[{}]", items.join(","));
     } else if records.is_empty() {
         if listing.is_complete() {
-            println!("no forced releases recorded");
+            outln!("no forced releases recorded");
         } else {
-            println!(
+            outln!(
                 "no forced releases recorded on {}",
                 listing.answered.join(", ")
             );
         }
     } else {
         for r in records {
-            print!("{}", record_text(r));
+            out!("{}", record_text(r));
         }
     }
     Ok(partial_exit(&listing, "audit records"))
@@ -463,6 +464,17 @@ fn held_json(name: &str, engine: &str, backend: &str, h: &Holder) -> String {
                 fencelock::ProcessState::Gone => "gone",
                 _ => "not-checked",
             }),
+        ),
+        (
+            "supervised",
+            Json::Raw(format!(
+                "[{}]",
+                a.supervised
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )),
         ),
         ("looks_alive", Json::Bool(a.looks_alive)),
         ("reason", Json::OwnedStr(a.reason.clone())),

@@ -79,11 +79,34 @@ fn hold(sb: &Sandbox, url: &str, opts: &[&str], name: &str, tag: &str) -> (commo
 }
 
 /// SIGKILL to a holder and its command: nothing is left to release the lock. The holder is
-/// reaped, so its pid is gone rather than a zombie.
+/// reaped, so its pid is gone rather than a zombie, and so is the command's supervisor, which
+/// the liveness check would otherwise find still at work under the lease.
 fn kill_holder(holder: &mut common::Proc, command: Pid) {
+    let supervisor = parent_of(command);
     kill(holder.pid(), Signal::SIGKILL).unwrap();
     let _ = killpg(command, Signal::SIGKILL);
     holder.wait(FINISH).unwrap();
+    if let Some(supervisor) = supervisor {
+        let gone = poll_until(FINISH, || {
+            parent_of(supervisor).is_none() || zombie(supervisor)
+        });
+        assert!(gone, "the supervisor {supervisor} outlived its command");
+    }
+}
+
+fn stat_fields(pid: Pid) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+fn parent_of(pid: Pid) -> Option<Pid> {
+    let ppid = stat_fields(pid)?.get(1)?.parse().ok()?;
+    Some(Pid::from_raw(ppid))
+}
+
+fn zombie(pid: Pid) -> bool {
+    stat_fields(pid).is_some_and(|f| f[0] == "Z" || f[0] == "X")
 }
 
 /// Refused against a live holder; after the holder is SIGKILLed (its lock still has most of a
@@ -621,4 +644,143 @@ fn default_state_is_private_and_a_named_file_keeps_the_umask() {
     assert_eq!(out.code(), Some(0), "{out:?}");
     std::fs::write(sb.path("plain"), "").unwrap();
     assert_eq!(mode(&sb.path("locks.db")), mode(&sb.path("plain")));
+}
+
+/// Every command that prints, as `fencelock ARGS --backend URL`.
+const PRINTING: [&[&str]; 12] = [
+    &["list"],
+    &["list", "--json"],
+    &["inspect", "held"],
+    &["inspect", "--json", "held"],
+    &["key", "held"],
+    &["audit"],
+    &["audit", "--json"],
+    &["release", "--force", "--reason", "r", "free"],
+    &["acl"],
+    &["limits", "show"],
+    &["doctor"],
+    &["demo"],
+];
+
+/// `fencelock ARGS --backend URL` with stdout on `stdout`, run to completion (at most
+/// [`FINISH`]) in the sandbox; returns its exit code and stderr.
+fn with_stdout(
+    sb: &Sandbox,
+    url: &str,
+    args: &[&str],
+    stdout: std::process::Stdio,
+) -> (Option<i32>, String) {
+    let err = sb.path(&format!("stderr-{}", args.join("-")));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fencelock"))
+        .current_dir(sb.path(""))
+        .env("XDG_STATE_HOME", sb.path("state"))
+        .env("XDG_CONFIG_HOME", sb.path("config"))
+        .env_remove("FENCELOCK_URL")
+        .env_remove("FENCELOCK_CONFIG")
+        .env_remove("FENCELOCK_PREFIX")
+        .args(args)
+        .args(["--backend", url])
+        .stdin(std::process::Stdio::null())
+        .stdout(stdout)
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let mut status = None;
+    let finished = poll_until(FINISH, || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    if !finished {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert!(finished, "{args:?} still ran after {FINISH:?}");
+    (
+        status.and_then(|s| s.code()),
+        std::fs::read_to_string(&err).unwrap(),
+    )
+}
+
+/// What broke: every command that prints panicked (exit 101) when its stdout failed, a pipe
+/// whose reader had gone (`| head -1`) or a full disk, and `elect --listen` printed to no one
+/// for ever. A closed pipe now ends the output quietly with the command's own status; a full
+/// disk is reported, exit 74.
+#[test]
+fn output_into_a_closed_pipe_or_a_full_disk_does_not_panic() {
+    let sb = Sandbox::new();
+    let url = sb.url();
+    let mut holder = sb.spawn(run_on(
+        &sb,
+        url,
+        &[],
+        "held",
+        &format!("echo > ready; {WAIT_FOR_RELEASE}"),
+    ));
+    wait_for_line(&sb.path("ready"), FINISH);
+    for args in PRINTING {
+        let mut cmd = sb.bare();
+        cmd.args(args).args(["--backend", url]);
+        let normal = sb.run(cmd);
+        assert!(
+            !normal.stdout.is_empty(),
+            "{args:?} prints nothing: {normal:?}"
+        );
+
+        let (read, write) = nix::unistd::pipe().unwrap();
+        drop(read);
+        let (code, stderr) = with_stdout(&sb, url, args, write.into());
+        assert_eq!(code, normal.code(), "{args:?} into a closed pipe: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let (code, stderr) = with_stdout(&sb, url, args, full.into());
+        let expected = if normal.code() == Some(0) {
+            Some(74)
+        } else {
+            normal.code()
+        };
+        assert_eq!(code, expected, "{args:?} into a full disk: {stderr}");
+        assert!(
+            stderr.contains("fencelock: cannot write the output: No space left on device"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    // `elect --listen` prints until stopped: with no one to print to it stops by itself.
+    let (read, write) = nix::unistd::pipe().unwrap();
+    drop(read);
+    let (code, stderr) = with_stdout(&sb, url, &["elect", "--listen", "leader"], write.into());
+    assert_eq!(code, Some(0), "{stderr}");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let (code, stderr) = with_stdout(&sb, url, &["elect", "--listen", "leader"], full.into());
+    assert_eq!(code, Some(74), "{stderr}");
+    // The forced release of a held lock happens whatever becomes of its message.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let (code, _) = with_stdout(
+        &sb,
+        url,
+        &[
+            "release",
+            "--force",
+            "--holder-is-dead",
+            "--reason",
+            "r",
+            "held",
+        ],
+        full.into(),
+    );
+    assert_eq!(code, Some(74));
+    assert_eq!(sb.inspect("held"), "held: free");
+    std::fs::write(sb.path("release"), "").unwrap();
+    holder.wait(FINISH).unwrap();
 }

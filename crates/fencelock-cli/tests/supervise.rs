@@ -8,9 +8,13 @@ mod common;
 
 use std::path::Path;
 
-use common::{poll_until, stop_outside_write_lock, wait_for_line, BinCommand, Sandbox, FINISH};
+use common::{
+    poll_until, stop_group_outside_write_lock, stop_outside_write_lock, wait_for_line, BinCommand,
+    Sandbox, FINISH,
+};
 use fencelock_testkit::RedisServer;
-use nix::sys::signal::{kill, Signal};
+use nix::errno::Errno;
+use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
 /// Appends a timestamp to FILE every 20 ms, forever.
@@ -28,19 +32,50 @@ fn second(sb: &Sandbox, url: &str) -> BinCommand {
 }
 
 fn first(sb: &Sandbox, url: &str, opts: &[&str], script: &str) -> BinCommand {
+    first_with(sb, url, "1s", "200ms", opts, script)
+}
+
+fn first_with(
+    sb: &Sandbox,
+    url: &str,
+    ttl: &str,
+    kill_after: &str,
+    opts: &[&str],
+    script: &str,
+) -> BinCommand {
     let mut cmd = sb.bare();
     cmd.args([
         "run",
         "--backend",
         url,
         "--ttl",
-        "1s",
+        ttl,
         "--kill-after",
-        "200ms",
+        kill_after,
     ])
     .args(opts)
     .args(["shared", "--", "sh", "-c", script]);
     cmd
+}
+
+/// A writer that records its pid in `pid` and ignores SIGTERM, as do the `sleep`s it starts
+/// (an ignored signal stays ignored across exec).
+fn stubborn_writer() -> String {
+    format!("trap '' TERM; echo $$ > pid; {}", writer("A"))
+}
+
+/// The first holder as a shell job: fencelock leads a process group of its own. Returns it
+/// once its command writes, with the command's pid (the command's own group).
+fn first_as_job(sb: &Sandbox, url: &str, script: &str) -> (common::Proc, Pid) {
+    let mut cmd = first(sb, url, &[], &format!("echo $$ > pid; {script}"));
+    cmd.own_group();
+    let mut holder = sb.spawn(cmd);
+    let job = holder.pid();
+    holder.adopt_group(job);
+    wait_for_line(&sb.path("A"), FINISH);
+    let command = Pid::from_raw(wait_for_line(&sb.path("pid"), FINISH).parse().unwrap());
+    holder.adopt_group(command);
+    (holder, command)
 }
 
 fn stamps(path: &Path) -> Vec<u128> {
@@ -60,6 +95,11 @@ fn assert_no_overlap(sb: &Sandbox, what: &str) {
         last_a < first_b,
         "{what}: the first holder's command wrote at {last_a}, after the second holder began \
          at {first_b}"
+    );
+    // Shown with --nocapture: how much room the switch left.
+    eprintln!(
+        "{what}: the first command's last write came {:.1} ms before the second's first",
+        (first_b - last_a) as f64 / 1e6
     );
 }
 
@@ -141,6 +181,171 @@ fn sigtstp_then_expiry(url: &str) {
     assert_no_overlap(&sb, "SIGTSTP, then expiry");
 }
 
+/// fencelock SIGKILLed while its command ignores SIGTERM and `--kill-after` is a minute: the
+/// supervisor does not wait out `--kill-after` but kills the command before the lease's
+/// validity ends, and the next holder runs only after that.
+fn sigkill_while_the_command_ignores_sigterm(url: &str) {
+    let sb = Sandbox::new();
+    let mut holder = sb.spawn(first_with(&sb, url, "1s", "60s", &[], &stubborn_writer()));
+    wait_for_line(&sb.path("A"), FINISH);
+    let command = Pid::from_raw(wait_for_line(&sb.path("pid"), FINISH).parse().unwrap());
+    holder.adopt_group(command);
+    let mut waiter = sb.spawn(second(&sb, url));
+    kill(holder.pid(), Signal::SIGKILL).unwrap();
+    holder.wait(FINISH).unwrap();
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    assert_eq!(
+        kill(command, None),
+        Err(Errno::ESRCH),
+        "the command survived"
+    );
+    assert_no_overlap(&sb, "SIGKILL, SIGTERM ignored");
+}
+
+/// What broke: `release --force` found a SIGKILLed fencelock's pid gone and declared the
+/// holder dead while its supervised command, ignoring SIGTERM, still wrote.
+fn forced_release_beside_a_live_command(url: &str) {
+    let sb = Sandbox::new();
+    // Long enough a validity for the command to outlive fencelock by seconds.
+    let mut holder = sb.spawn(first_with(&sb, url, "20s", "60s", &[], &stubborn_writer()));
+    wait_for_line(&sb.path("A"), FINISH);
+    let command = Pid::from_raw(wait_for_line(&sb.path("pid"), FINISH).parse().unwrap());
+    holder.adopt_group(command);
+    let supervisor = Pid::from_raw(parent_of(command.as_raw()).unwrap());
+    kill(holder.pid(), Signal::SIGKILL).unwrap();
+    holder.wait(FINISH).unwrap();
+    let force = || {
+        let mut cmd = sb.bare();
+        cmd.args(["release", "--backend", url, "--force", "--reason", "stuck"])
+            .arg("shared");
+        sb.run(cmd)
+    };
+    let out = force();
+    assert_eq!(
+        out.code(),
+        Some(75),
+        "released beside a live command: {out:?}"
+    );
+    assert!(
+        out.stderr.contains("still runs") && out.stderr.contains(&supervisor.to_string()),
+        "{}",
+        out.stderr
+    );
+    let written = stamps(&sb.path("A")).len();
+    assert!(
+        poll_until(FINISH, || stamps(&sb.path("A")).len() > written),
+        "the command was not running when the release was refused"
+    );
+    // Once the work is gone the holder is dead, and the release goes through.
+    killpg(command, Signal::SIGKILL).unwrap();
+    assert!(
+        poll_until(FINISH, || !running(supervisor)),
+        "the supervisor outlived its command"
+    );
+    let out = force();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(out.stdout.contains("force-released"), "{out:?}");
+    let mut waiter = sb.spawn(second(&sb, url));
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    assert_no_overlap(&sb, "forced release");
+}
+
+/// What broke: after SIGTSTP and then SIGCONT to fencelock's job without a terminal (what
+/// `fg` sends when stdin is not one), the command stayed stopped for ever under a renewed lock.
+fn sigtstp_then_sigcont_without_a_terminal(url: &str) {
+    let sb = Sandbox::new();
+    let (mut holder, command) = first_as_job(&sb, url, &writer("A"));
+    let job = holder.pid();
+    killpg(job, Signal::SIGTSTP).unwrap();
+    assert!(
+        poll_until(FINISH, || group_stopped(command.as_raw())),
+        "the command was not stopped"
+    );
+    killpg(job, Signal::SIGCONT).unwrap();
+    let written = stamps(&sb.path("A")).len();
+    assert!(
+        poll_until(FINISH, || stamps(&sb.path("A")).len() > written),
+        "the command was not continued"
+    );
+    kill(job, Signal::SIGTERM).unwrap();
+    let out = holder.wait(FINISH).unwrap();
+    assert_eq!(out.code(), Some(128 + 15), "{out:?}");
+    let mut waiter = sb.spawn(second(&sb, url));
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    assert_no_overlap(&sb, "SIGTSTP, then SIGCONT");
+}
+
+/// What broke: `kill -STOP` to fencelock's job (its process group) froze the supervisor with
+/// it, so the deadline switch never fired and the command wrote beside the next holder.
+fn stopped_job_group(url: &str) {
+    let sb = Sandbox::new();
+    let (mut holder, command) = first_as_job(&sb, url, &writer("A"));
+    let job = holder.pid();
+    stop_group_outside_write_lock(job);
+    let mut waiter = sb.spawn(second(&sb, url));
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    assert_eq!(
+        kill(command, None),
+        Err(Errno::ESRCH),
+        "the command survived"
+    );
+    killpg(job, Signal::SIGCONT).unwrap();
+    let out = holder.wait(FINISH).unwrap();
+    assert_eq!(out.code(), Some(79), "{out:?}");
+    assert_no_overlap(&sb, "job stopped");
+}
+
+/// The command's group and fencelock's job both stopped, then continued after the next
+/// holder ran: the command was killed before the validity ended, so nothing resumes.
+fn stopped_job_and_command_groups(url: &str) {
+    let sb = Sandbox::new();
+    let (mut holder, command) = first_as_job(&sb, url, &writer("A"));
+    let job = holder.pid();
+    killpg(command, Signal::SIGSTOP).unwrap();
+    stop_group_outside_write_lock(job);
+    let mut waiter = sb.spawn(second(&sb, url));
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    assert_eq!(
+        kill(command, None),
+        Err(Errno::ESRCH),
+        "the command survived"
+    );
+    let _ = killpg(command, Signal::SIGCONT);
+    killpg(job, Signal::SIGCONT).unwrap();
+    let out = holder.wait(FINISH).unwrap();
+    assert_eq!(out.code(), Some(79), "{out:?}");
+    assert_no_overlap(&sb, "job and command stopped");
+}
+
+/// What broke: a supervisor stopped by itself stayed stopped, so a later stop of fencelock
+/// left no one to kill the command in time. fencelock continues it; then a stopped job is
+/// handled as above.
+fn stopped_supervisor(url: &str) {
+    let sb = Sandbox::new();
+    let (mut holder, command) = first_as_job(&sb, url, &writer("A"));
+    let job = holder.pid();
+    let supervisor = Pid::from_raw(parent_of(command.as_raw()).unwrap());
+    kill(supervisor, Signal::SIGSTOP).unwrap();
+    assert!(
+        poll_until(FINISH, || holder
+            .stderr()
+            .contains("supervisor was stopped")),
+        "the supervisor was left stopped: {}",
+        holder.stderr()
+    );
+    assert!(
+        poll_until(FINISH, || state_of(supervisor) != Some('T')),
+        "the supervisor is still stopped"
+    );
+    stop_group_outside_write_lock(job);
+    let mut waiter = sb.spawn(second(&sb, url));
+    assert_eq!(waiter.wait(FINISH).unwrap().code(), Some(0));
+    killpg(job, Signal::SIGCONT).unwrap();
+    let out = holder.wait(FINISH).unwrap();
+    assert_eq!(out.code(), Some(79), "{out:?}");
+    assert_no_overlap(&sb, "supervisor stopped");
+}
+
 /// A shell that leaves a background writer behind: the lock is held until the writer is done
 /// too, and fencelock exits with the shell's status.
 fn background_child(url: &str) {
@@ -185,25 +390,43 @@ fn group_stopped(pgid: i32) -> bool {
     })
 }
 
-fn every_case(url: &str) {
-    sighup(url);
-    sigkill(url);
-    sigtstp_then_expiry(url);
-    background_child(url);
-    release_on_exit(url);
+/// Every case, once on SQLite and once on one Redis node, each as a test of its own.
+macro_rules! on_every_engine {
+    ($($case:ident),* $(,)?) => {
+        mod on_sqlite {
+            $(
+                #[test]
+                fn $case() {
+                    let sb = super::Sandbox::new();
+                    super::$case(sb.url());
+                }
+            )*
+        }
+        mod on_redis {
+            $(
+                #[test]
+                fn $case() {
+                    let server = super::RedisServer::start().unwrap();
+                    super::$case(&server.url());
+                }
+            )*
+        }
+    };
 }
 
-#[test]
-fn work_never_outlives_the_lease_on_sqlite() {
-    let sb = Sandbox::new();
-    every_case(sb.url());
-}
-
-#[test]
-fn work_never_outlives_the_lease_on_redis() {
-    let server = RedisServer::start().unwrap();
-    every_case(&server.url());
-}
+on_every_engine!(
+    sighup,
+    sigkill,
+    sigkill_while_the_command_ignores_sigterm,
+    forced_release_beside_a_live_command,
+    sigtstp_then_expiry,
+    sigtstp_then_sigcont_without_a_terminal,
+    stopped_job_group,
+    stopped_job_and_command_groups,
+    stopped_supervisor,
+    background_child,
+    release_on_exit,
+);
 
 /// The command gets the lease's variables but not fencelock's backend URL or password unless
 /// `--pass-env` is given.
@@ -307,6 +530,17 @@ fn killed_supervisor_takes_the_command_and_its_children_along() {
             "process {pid} survived"
         );
     }
+}
+
+/// The state letter of `pid` in /proc/PID/stat (`S` sleeping, `T` stopped, `Z` zombie...).
+fn state_of(pid: Pid) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Whether `pid` names a process that has not exited (a zombie has).
+fn running(pid: Pid) -> bool {
+    !matches!(state_of(pid), None | Some('Z' | 'X'))
 }
 
 fn parent_of(pid: i32) -> Option<i32> {

@@ -118,6 +118,14 @@ impl BinCommand {
         self
     }
 
+    /// Starts the process as the leader of a new process group in the test's session, as a
+    /// shell starts a job, so that a test can signal the job as a whole (`kill -STOP -PGID`).
+    /// The group is the process's pid; hand it to [`Proc::adopt_group`] for cleanup.
+    pub fn own_group(&mut self) -> &mut BinCommand {
+        std::os::unix::process::CommandExt::process_group(&mut self.cmd, 0);
+        self
+    }
+
     /// Sends stdout and stderr to `/dev/null`, for processes started by the dozen whose output
     /// no test reads.
     pub fn discard_output(&mut self) -> &mut BinCommand {

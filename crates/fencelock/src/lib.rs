@@ -77,10 +77,11 @@
 //! is gone. [`Client::list`] finds every held lock under a name prefix.
 //!
 //! [`Client::force_release`] deletes a dead holder's lock. It refuses, with
-//! [`ErrorKind::HeldByAnother`], while the holder looks alive (its process exists on this host;
-//! or, for a holder elsewhere, its last renewal is not overdue or was never recorded) unless
-//! told [`ForceRelease::holder_is_dead`]; a process gone from this host is dead whatever its
-//! last renewal says. The deletion is a compare-and-delete on the owner that was inspected. In
+//! [`ErrorKind::HeldByAnother`], while the holder looks alive (its process exists on this host,
+//! or it is gone but processes carrying its owner value still run here, such as the supervisor
+//! and command of a killed `fencelock run`; or, for a holder elsewhere, its last renewal is not
+//! overdue or was never recorded) unless told [`ForceRelease::holder_is_dead`]; a process gone
+//! from this host with nothing left at work is dead whatever its last renewal says. The deletion is a compare-and-delete on the owner that was inspected. In
 //! the same atomic step it advances the fencing counter to a mark above the old holder's token,
 //! below every later grant's, so fences refuse the old holder once the next one has written, and
 //! appends an [`AuditRecord`] to the log the engine keeps (the SQLite or PostgreSQL table `fencelock_audit`;

@@ -4,7 +4,7 @@
 use super::{net, DoctorArgs, Finding, Findings, ANSWER_WITHIN};
 
 pub(super) async fn etcd(args: &DoctorArgs, url: &fencelock::EtcdUrl, f: &mut Findings) {
-    println!("cluster");
+    outln!("cluster");
     let started = std::time::Instant::now();
     // `connect` reports its own error; etcd connections are lazy, so it rarely fails here.
     let Ok(client) = crate::connect(&args.backend, "fencelock-doctor").await else {
@@ -54,7 +54,7 @@ pub(super) async fn etcd(args: &DoctorArgs, url: &fencelock::EtcdUrl, f: &mut Fi
         )),
     }
     for (i, ep) in url.endpoints.iter().enumerate() {
-        println!("endpoint {ep}");
+        outln!("endpoint {ep}");
         if !url.tls {
             let loopback = net::on_loopback(&ep.host, ep.port).await;
             match net::plaintext_warning(&format!("endpoint {ep}"), loopback, "etcds://") {

@@ -66,14 +66,14 @@ pub(crate) struct Findings {
 
 impl Findings {
     pub(crate) fn ok(&self, what: &str) {
-        println!("  ok    {what}");
+        outln!("  ok    {what}");
     }
     pub(crate) fn warn(&mut self, what: &str) {
         self.problems += 1;
-        println!("  WARN  {what}");
+        outln!("  WARN  {what}");
     }
     pub(crate) fn note(&self, what: &str) {
-        println!("  note  {what}");
+        outln!("  note  {what}");
     }
     /// A server that could not be reached: a problem, and exit 69.
     pub(crate) fn unreachable_node(&mut self, what: &str) {
@@ -111,7 +111,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<u8> {
         }
     }
     ttl::ttl_advice(&args, &mut f).await;
-    println!(
+    outln!(
         "{} problem(s){}",
         f.problems,
         if f.unreachable > 0 {
@@ -134,7 +134,7 @@ async fn check_backend(
     f: &mut Findings,
 ) -> Result<()> {
     let backend = fencelock::Backend::parse(&url).map_err(fail)?;
-    println!(
+    outln!(
         "fencelock doctor: {}{} at {}",
         name.map(|n| format!("backend {n}: ")).unwrap_or_default(),
         backend.engine(),
@@ -160,7 +160,7 @@ async fn check_backend(
 }
 
 async fn sqlite(args: &DoctorArgs, path: &std::path::Path, f: &mut Findings) -> Result<()> {
-    println!("database {}", path.display());
+    outln!("database {}", path.display());
     let started = std::time::Instant::now();
     let client = connect(&args.backend, "fencelock-doctor").await?;
     client.inspect("fencelock-doctor").await.map_err(fail)?;

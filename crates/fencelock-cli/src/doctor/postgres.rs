@@ -9,7 +9,7 @@ use tokio_postgres::{Client, SimpleQueryMessage};
 use super::{median, net, Finding, Findings, ANSWER_WITHIN};
 
 pub(super) async fn postgres(url: &PostgresUrl, f: &mut Findings) -> anyhow::Result<()> {
-    println!("server");
+    outln!("server");
     let started = Instant::now();
     let client = match url.connect(ANSWER_WITHIN).await {
         Ok(c) => c,

@@ -23,7 +23,7 @@ pub(super) async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
     anonymous_url.password = None;
     let anonymous = anonymous_url.clients().ok();
     for (i, (node, client)) in nodes.iter().zip(clients).enumerate() {
-        println!("node {node}");
+        outln!("node {node}");
         let conn =
             match tokio::time::timeout(ANSWER_WITHIN, client.get_multiplexed_async_connection())
                 .await
@@ -86,7 +86,7 @@ pub(super) async fn redis_nodes(url: &fencelock::RedisUrl, f: &mut Findings) {
     if offsets.len() > 1 {
         let spread = offsets.iter().cloned().fold(f64::MIN, f64::max)
             - offsets.iter().cloned().fold(f64::MAX, f64::min);
-        println!("nodes");
+        outln!("nodes");
         if spread > 100.0 {
             f.warn(&format!(
                 "clocks differ by {spread:.1} ms between nodes: Redlock tokens use the client's \

@@ -18,9 +18,9 @@ pub(super) async fn ttl_advice(args: &DoctorArgs, f: &mut Findings) {
         },
         (None, None) => None,
     };
-    println!("TTL");
+    outln!("TTL");
     let Some(p99) = p99 else {
-        println!("  note  give --hold-p99 or --metrics-url for TTL advice (TTL = 3 x hold p99)");
+        outln!("  note  give --hold-p99 or --metrics-url for TTL advice (TTL = 3 x hold p99)");
         return;
     };
     let advice = p99 * 3;

@@ -15,6 +15,17 @@
 //! came, which covers fencelock being stopped (job control, SIGSTOP, a debugger) or killed.
 //! Should the supervisor die, the command dies of its parent-death signal (SIGKILL) and
 //! fencelock, a subreaper too, kills whatever was reparented to it.
+//!
+//! Three process groups, so that no one stop freezes both watchers: fencelock's (the shell's
+//! job, which `kill -STOP %1` stops as a whole), the supervisor's own, and the command's
+//! (which the terminal's Ctrl-C and Ctrl-Z reach). A stopped fencelock leaves the supervisor's
+//! switch running; a stopped supervisor is continued by fencelock, which sees it stop through
+//! SIGCHLD. Both stopped at once, by pid or by two group signals, is the one case left: nothing
+//! then runs to stop the command (see docs/cli.md).
+//!
+//! The supervisor carries the lease's owner in its arguments (`--owner`), and the command and
+//! its descendants in `FENCELOCK_OWNER`, so that the runbook's liveness check still finds the
+//! work of a fencelock that was killed (`Holder::assess`).
 
 mod procs;
 mod worker;
@@ -31,12 +42,12 @@ use nix::fcntl::{fcntl, FcntlArg, FdFlag};
 use nix::sys::prctl;
 use nix::sys::signal::{kill, SigHandler, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::{getpgrp, getpid, getppid, isatty, tcgetpgrp, tcsetpgrp, Pid};
+use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::exit;
-use procs::{instant_ns, signal_all, ToParent, ToWorker};
+use procs::{instant_ns, signal_all, state_of, ToParent, ToWorker};
 pub use worker::{worker, WorkerArgs};
 
 /// How a command is supervised: the options `run` and `elect` share.
@@ -158,6 +169,8 @@ struct Session {
     child: std::process::Child,
     sock: tokio::net::UnixStream,
     signals: tokio::sync::mpsc::UnboundedReceiver<Signal>,
+    /// SIGCHLD, which also comes when the supervisor is stopped.
+    children: tokio::signal::unix::Signal,
     tty: Option<Terminal>,
     kill_after: Duration,
 }
@@ -179,7 +192,9 @@ impl Session {
         // Before the supervisor starts, so that no signal sent to fencelock from then on can
         // take its default action.
         let (tx, signals) = tokio::sync::mpsc::unbounded_channel();
-        for sig in FORWARDED {
+        // SIGCONT too: without a terminal, a job stopped with SIGTSTP (forwarded) is resumed
+        // with SIGCONT to fencelock's group, which the command's group does not share.
+        for sig in FORWARDED.into_iter().chain([Signal::SIGCONT]) {
             let mut stream = signal(SignalKind::from_raw(sig as i32))?;
             let tx = tx.clone();
             tokio::spawn(async move {
@@ -190,6 +205,7 @@ impl Session {
                 }
             });
         }
+        let children = signal(SignalKind::child())?;
 
         let (ours, theirs) = UnixStream::pair()?;
         let fd = theirs.as_raw_fd();
@@ -199,6 +215,7 @@ impl Session {
         cmd.arg("supervisor")
             .args(["--fd", &fd.to_string()])
             .args(["--parent", &parent.to_string()])
+            .args(["--owner", lease.owner()])
             .args(["--ttl-ms", &millis(lease.ttl()).to_string()])
             .args(["--kill-after-ms", &millis(opts.kill_after).to_string()])
             .args([
@@ -222,10 +239,14 @@ impl Session {
                 }
             }
         }
-        // SAFETY: runs in the forked child before exec; fcntl, prctl and getppid are
+        // SAFETY: runs in the forked child before exec; setpgid, fcntl, prctl and getppid are
         // async-signal-safe.
         unsafe {
             cmd.pre_exec(move || {
+                // A group of its own: a stop sent to fencelock's job must leave the switch
+                // that kills the command running. It never reads the terminal, and its
+                // signalfd blocks SIGTTOU, so it may still write to one from the background.
+                setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
                 fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
                 // The supervisor also watches the socket; the signal makes it look at once.
                 prctl::set_pdeathsig(Signal::SIGTERM)?;
@@ -244,6 +265,7 @@ impl Session {
             child,
             sock: tokio::net::UnixStream::from_std(ours)?,
             signals,
+            children,
             tty,
             kill_after: opts.kill_after,
         })
@@ -254,9 +276,11 @@ impl Session {
             mut child,
             sock,
             mut signals,
+            mut children,
             tty,
             kill_after,
         } = self;
+        let supervisor = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
         let (rd, mut wr) = sock.into_split();
         let mut lines = BufReader::new(rd).lines();
         let mut status: Option<u8> = None;
@@ -305,11 +329,12 @@ impl Session {
                 },
                 Some(sig) = signals.recv() => {
                     out.push(ToWorker::Signal(sig as i32));
-                    if sig != Signal::SIGWINCH && sig != Signal::SIGTSTP {
+                    if ![Signal::SIGWINCH, Signal::SIGTSTP, Signal::SIGCONT].contains(&sig) {
                         // A stopped command acts on a terminating signal only once continued.
                         out.push(ToWorker::Signal(Signal::SIGCONT as i32));
                     }
                 }
+                Some(()) = children.recv() => continue_if_stopped(supervisor),
                 _ = lease.lost(), if !terminating => {
                     report_loss(lease).await;
                     lost = true;
@@ -317,6 +342,8 @@ impl Session {
                     out.push(ToWorker::Terminate);
                 }
                 _ = tick.tick() => {
+                    // SIGCHLD may have been merged with another child's: look again.
+                    continue_if_stopped(supervisor);
                     let v = lease.valid_until();
                     if v != reported && !terminating {
                         reported = v;
@@ -379,6 +406,19 @@ impl Session {
         }
         out.push(ToWorker::Signal(Signal::SIGCONT as i32));
         true
+    }
+}
+
+/// A stopped supervisor cannot kill the command when the lease ends, should fencelock be
+/// stopped or killed later: it is continued at once. Only SIGSTOP stops it (its signalfd takes
+/// the terminal's stop signals), and nothing in fencelock's design ever sends it one.
+fn continue_if_stopped(supervisor: Pid) {
+    if state_of(supervisor) == Some('T') {
+        eprintln!(
+            "fencelock: the command's supervisor was stopped (pid {supervisor}); continuing it, \
+             since it must be free to stop the command when the lease ends"
+        );
+        let _ = kill(supervisor, Signal::SIGCONT);
     }
 }
 

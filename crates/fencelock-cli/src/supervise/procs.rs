@@ -56,6 +56,14 @@ pub fn descendants(root: Pid) -> Vec<Pid> {
     found
 }
 
+/// The state letter of `pid` in /proc/PID/stat (`R`, `S`, `T` stopped, `t` traced, `Z`...);
+/// `None` when it is gone.
+pub fn state_of(pid: Pid) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ...": comm may hold spaces and parentheses.
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
 /// Sends `sig` to every process below `root`.
 pub fn signal_all(root: Pid, sig: Signal) -> usize {
     let procs = descendants(root);

@@ -30,6 +30,11 @@ pub struct WorkerArgs {
     /// fencelock's pid: a different parent means fencelock died.
     #[arg(long)]
     parent: i32,
+    /// The lease's owner value. Not used here: it is in the arguments so that the runbook's
+    /// liveness check, which reads /proc/PID/cmdline (readable by every user), finds this
+    /// process at work for the lease after fencelock itself is gone.
+    #[arg(long)]
+    owner: String,
     #[arg(long)]
     ttl_ms: u64,
     #[arg(long)]
@@ -47,9 +52,9 @@ pub struct WorkerArgs {
 }
 
 /// Signals the supervisor takes through its signalfd instead of their default actions: every
-/// one fencelock forwards, and these three, so that none can stop or kill it (it shares
-/// fencelock's process group, which a terminal or `kill -- -PGID` may signal as a whole);
-/// SIGCHLD to reap.
+/// one fencelock forwards, and these three, so that none can stop or kill it (a group of its
+/// own is not proof against `kill -TSTP -PGID` given its pgid); SIGTTOU blocked also lets it
+/// write to a terminal with `tostop` set from the background; SIGCHLD to reap.
 const HANDLED_TOO: [Signal; 3] = [Signal::SIGCHLD, Signal::SIGTTIN, Signal::SIGTTOU];
 
 const MS: i64 = 1_000_000;

@@ -140,14 +140,25 @@ pub fn wait_for_line(path: &Path, limit: Duration) -> String {
 /// holder cannot block other SQLite clients through the database's write lock), and returns
 /// once every one of its threads is stopped.
 pub fn stop_outside_write_lock(pid: Pid) {
+    stop_cleanly(pid, |sig| kill(pid, sig));
+}
+
+/// As [`stop_outside_write_lock`], for the process group whose leader is `leader` (a job that
+/// a shell's `kill -STOP %1` stops as a whole): SIGSTOP to the group, at a moment when its
+/// leader holds no write lock.
+pub fn stop_group_outside_write_lock(leader: Pid) {
+    stop_cleanly(leader, |sig| nix::sys::signal::killpg(leader, sig));
+}
+
+fn stop_cleanly(pid: Pid, send: impl Fn(Signal) -> nix::Result<()>) {
     let stopped_cleanly = (0..200).any(|_| {
-        kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+        send(Signal::SIGSTOP).expect("SIGSTOP");
         let stopped = poll_until(Duration::from_secs(5), || all_threads_stopped(pid));
         assert!(stopped, "process {pid} did not stop");
         if !holds_write_lock(pid) {
             return true;
         }
-        kill(pid, Signal::SIGCONT).expect("SIGCONT");
+        send(Signal::SIGCONT).expect("SIGCONT");
         std::thread::sleep(Duration::from_millis(7));
         false
     });

@@ -98,7 +98,10 @@ expect("rc=130")
 expect("PROMPT> ")
 
 # 3. Stopped past the TTL: the command is gone before another holder gets the lock, and fg
-#    resumes nothing but fencelock's exit 79.
+#    resumes nothing but fencelock's exit 79. With `tostop` set, the supervisor (in a process
+#    group of its own, in the background) still writes its message to the terminal.
+send("stty tostop\n")
+expect("PROMPT> ")
 # bash, not dash: dash vforks, and a vforked child stopped before it execs leaves dash in an
 # unstoppable wait, so the job would never stop as a whole (as it would not without fencelock).
 send(fencelock + " run --ttl 1s --kill-after 200ms x -- bash -c "
@@ -117,6 +120,7 @@ check(second.returncode == 0, "the second holder failed: %r" % (second,))
 a = [int(l) for l in open("A") if l.strip()]
 b = int(open("B").read())
 check(max(a) < b, "the first command wrote at %d, after the second holder's %d" % (max(a), b))
+expect("was fencelock stopped\\?")
 send("fg\n")
 expect("PROMPT> ")
 send("echo rc=$?\n")

@@ -13,8 +13,14 @@
 //! - **A forced release refuses while the holder looks alive**: its process still exists on
 //!   this host (a stopped or hung process may resume), or, for a holder on another host (or
 //!   whose pid cannot be checked), its last renewal is not overdue or was never recorded. A
-//!   process gone from this host is dead whatever its last renewal says. An operator who knows
-//!   better says so ([`ForceRelease::holder_is_dead`]) and the audit record keeps that.
+//!   process gone from this host is dead whatever its last renewal says, unless work it
+//!   supervised under the lease still runs here: the supervisor of a killed `fencelock run`
+//!   may still be stopping a command that ignores SIGTERM. That work is found without any
+//!   record in the engine, by the owner value it carries: the supervisor's arguments hold
+//!   `--owner OWNER` (/proc/PID/cmdline, readable by every user), and the command and its
+//!   descendants inherit `FENCELOCK_OWNER=OWNER` (/proc/PID/environ, readable by the same user
+//!   and root). An operator who knows better says so ([`ForceRelease::holder_is_dead`]) and the
+//!   audit record keeps that.
 //!   A recycled pid makes a dead holder look alive: the error is a refusal, the safe side. A
 //!   holder in another pid namespace under the same host name (a container sharing the host's
 //!   name) would look dead from here: give such containers their own host names.
@@ -107,6 +113,10 @@ pub struct Assessment {
     pub overdue_after: Option<Duration>,
     /// The holder's process, if it runs on this host.
     pub process: ProcessState,
+    /// When the holder's process is [gone](ProcessState::Gone): the processes of this host
+    /// still at work under its lease (the supervisor and command of a `fencelock run` that was
+    /// killed), by pid, in ascending order. While any runs the holder looks alive.
+    pub supervised: Vec<u32>,
     /// Whether a forced release must be refused unless the holder is declared dead.
     pub looks_alive: bool,
     /// The evidence behind the verdict, in one sentence.
@@ -118,17 +128,18 @@ impl Holder {
     /// [`overdue_after`] and, when the holder recorded this host's name, whether its pid still
     /// exists. The rules are in the crate docs, [stuck-lock runbook](crate#stuck-lock-runbook).
     pub fn assess(&self) -> Assessment {
-        self.assess_with(SystemTime::now(), &local_host(), pid_running)
+        self.assess_with(SystemTime::now(), &local_host(), pid_running, working_for)
     }
 
-    /// [`Holder::assess`] with the clock, the host name and the process probe given, so the
+    /// [`Holder::assess`] with the clock, the host name and the process probes given, so the
     /// rules can be tested without real processes. `running(pid)` is `None` when it cannot
-    /// tell.
+    /// tell; `working_for(owner)` lists the live processes at work under that owner's lease.
     pub(crate) fn assess_with(
         &self,
         now: SystemTime,
         local_host: &str,
         running: impl Fn(u32) -> Option<bool>,
+        working_for: impl Fn(&str) -> Vec<u32>,
     ) -> Assessment {
         let since_renewal = match (self.ttl, self.ttl_left) {
             (Some(ttl), Some(left)) => Some(ttl.saturating_sub(left)),
@@ -145,6 +156,13 @@ impl Holder {
                 None => ProcessState::NotChecked,
             },
             _ => ProcessState::NotChecked,
+        };
+        // Only the pid recorded with the lease says that this host is the holder's: a
+        // process carrying the owner of a holder elsewhere is none of this check's business.
+        let supervised = if process == ProcessState::Gone && !self.owner.is_empty() {
+            working_for(&self.owner)
+        } else {
+            Vec::new()
         };
 
         let mut facts = Vec::new();
@@ -165,8 +183,21 @@ impl Holder {
         let pid = self.pid.map_or_else(|| "?".to_owned(), |p| p.to_string());
         match (process, self.host.as_deref()) {
             (ProcessState::Running, _) => facts.push(format!("pid {pid} is running on this host")),
-            (ProcessState::Gone, _) => {
+            (ProcessState::Gone, _) if supervised.is_empty() => {
                 facts.push(format!("pid {pid} is no longer running on this host"))
+            }
+            (ProcessState::Gone, _) => {
+                let pids: Vec<String> = supervised.iter().take(8).map(u32::to_string).collect();
+                facts.push(format!(
+                    "pid {pid} is no longer running on this host, but the work it supervised \
+                     under this lease still runs (pid {}{})",
+                    pids.join(", "),
+                    if supervised.len() > pids.len() {
+                        ", ..."
+                    } else {
+                        ""
+                    }
+                ))
             }
             (ProcessState::NotChecked, Some(h)) if h != local_host => {
                 facts.push(format!("its process is on {h}, not checked from here"))
@@ -183,7 +214,7 @@ impl Holder {
         };
         let looks_alive = match process {
             ProcessState::Running => true,
-            ProcessState::Gone => false,
+            ProcessState::Gone => !supervised.is_empty(),
             ProcessState::NotChecked => stale != Some(true),
         };
         Assessment {
@@ -191,6 +222,7 @@ impl Holder {
             since_renewal,
             overdue_after: overdue,
             process,
+            supervised,
             looks_alive,
             reason: facts.join("; "),
         }
@@ -212,6 +244,41 @@ fn pid_running(pid: u32) -> Option<bool> {
         Err(Errno::ESRCH) => Some(false),
         Err(_) => None,
     }
+}
+
+/// The live processes of this host that carry `owner`: an argument `--owner OWNER` (the
+/// supervisor of `fencelock run`), or `FENCELOCK_OWNER=OWNER` in the environment they were
+/// started with (its command and their descendants). Another user's environment cannot be
+/// read unless this process runs as root, and a process in another pid namespace is not seen.
+fn working_for(owner: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let me = std::process::id();
+    let mut found: Vec<u32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me && carries_owner(pid, owner))
+        // Read after the match: a process that exited meanwhile is a zombie or gone.
+        .filter(|&pid| pid_running(pid) == Some(true))
+        .collect();
+    found.sort_unstable();
+    found
+}
+
+fn carries_owner(pid: u32, owner: &str) -> bool {
+    let nul_separated = |file: &str| std::fs::read(format!("/proc/{pid}/{file}")).ok();
+    if let Some(args) = nul_separated("cmdline") {
+        let args: Vec<&[u8]> = args.split(|&b| b == 0).collect();
+        if args
+            .windows(2)
+            .any(|w| w[0] == b"--owner" && w[1] == owner.as_bytes())
+        {
+            return true;
+        }
+    }
+    let var = format!("FENCELOCK_OWNER={owner}");
+    nul_separated("environ").is_some_and(|env| env.split(|&b| b == 0).any(|v| v == var.as_bytes()))
 }
 
 /// A killed process whose parent has not reaped it yet still has a pid, but will never renew.
@@ -506,6 +573,11 @@ impl ClientInner {
                 "stop its process first, or declare the holder dead (--holder-is-dead) if it \
                  can never write again"
                     .to_owned()
+            } else if !assessment.supervised.is_empty() {
+                "wait for that work to end (its supervisor kills it before the lease's TTL \
+                 runs out) or stop it, or declare the holder dead (--holder-is-dead) if it \
+                 can never write again"
+                    .to_owned()
             } else {
                 format!(
                     "wait until its renewal is overdue{}, or declare the holder dead \
@@ -622,10 +694,14 @@ mod tests {
 
     const NOW: SystemTime = SystemTime::UNIX_EPOCH;
 
+    fn no_work(_: &str) -> Vec<u32> {
+        Vec::new()
+    }
+
     #[test]
     fn renewal_on_time_elsewhere_looks_alive() {
         let h = holder("other", Duration::from_secs(5), Duration::from_secs(30));
-        let a = h.assess_with(NOW, "here", |_| unreachable!("other host"));
+        let a = h.assess_with(NOW, "here", |_| unreachable!("other host"), no_work);
         assert_eq!(a.verdict, Verdict::Healthy);
         assert_eq!(a.process, ProcessState::NotChecked);
         assert!(a.looks_alive);
@@ -637,7 +713,7 @@ mod tests {
     #[test]
     fn overdue_renewal_elsewhere_is_suspect_and_may_be_released() {
         let h = holder("other", Duration::from_secs(16), Duration::from_secs(30));
-        let a = h.assess_with(NOW, "here", |_| None);
+        let a = h.assess_with(NOW, "here", |_| None, no_work);
         assert_eq!(a.verdict, Verdict::Suspect);
         assert!(!a.looks_alive);
         assert!(a.reason.contains("overdue"), "{}", a.reason);
@@ -646,20 +722,88 @@ mod tests {
     #[test]
     fn gone_process_here_is_dead_whatever_its_last_renewal() {
         let h = holder("here", Duration::from_millis(10), Duration::from_secs(60));
-        let a = h.assess_with(NOW, "here", |pid| {
-            assert_eq!(pid, 42);
-            Some(false)
-        });
+        let a = h.assess_with(
+            NOW,
+            "here",
+            |pid| {
+                assert_eq!(pid, 42);
+                Some(false)
+            },
+            no_work,
+        );
         assert_eq!(a.verdict, Verdict::Suspect);
         assert_eq!(a.process, ProcessState::Gone);
         assert!(!a.looks_alive);
     }
 
     #[test]
+    fn gone_process_whose_supervised_work_still_runs_looks_alive() {
+        let h = holder("here", Duration::from_millis(10), Duration::from_secs(60));
+        let a = h.assess_with(
+            NOW,
+            "here",
+            |_| Some(false),
+            |owner| {
+                assert_eq!(owner, "o");
+                vec![456, 457]
+            },
+        );
+        assert_eq!(a.verdict, Verdict::Suspect);
+        assert_eq!(a.process, ProcessState::Gone);
+        assert_eq!(a.supervised, [456, 457]);
+        assert!(a.looks_alive);
+        assert!(
+            a.reason.contains(
+                "pid 42 is no longer running on this host, but the work it \
+                           supervised under this lease still runs (pid 456, 457)"
+            ),
+            "{}",
+            a.reason
+        );
+    }
+
+    #[test]
+    fn work_of_a_holder_elsewhere_is_not_looked_for() {
+        let h = holder("other", Duration::from_secs(16), Duration::from_secs(30));
+        let a = h.assess_with(NOW, "here", |_| None, |_| unreachable!("other host"));
+        assert!(!a.looks_alive);
+    }
+
+    #[test]
+    fn work_is_found_by_its_owner_argument_or_variable() {
+        let owner = format!("{:032x}", rand::random::<u128>());
+        let mut by_arg = std::process::Command::new("sh")
+            .args(["-c", "read _", "sh", "--owner", &owner])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut by_env = std::process::Command::new("sh")
+            .args(["-c", "read _"])
+            .env("FENCELOCK_OWNER", &owner)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut expected = vec![by_arg.id(), by_env.id()];
+        expected.sort_unstable();
+        assert_eq!(working_for(&owner), expected);
+        assert_eq!(working_for(&format!("{owner}0")), Vec::<u32>::new());
+        // Closing stdin ends `read`; a zombie is no longer at work.
+        drop(by_arg.stdin.take());
+        assert!(fencelock_wait_for(|| is_zombie(
+            i32::try_from(by_arg.id()).unwrap()
+        )));
+        assert_eq!(working_for(&owner), [by_env.id()]);
+        drop(by_env.stdin.take());
+        by_arg.wait().unwrap();
+        by_env.wait().unwrap();
+        assert_eq!(working_for(&owner), Vec::<u32>::new());
+    }
+
+    #[test]
     fn running_process_here_looks_alive_even_when_overdue() {
         // A stopped process misses its renewals but may resume.
         let h = holder("here", Duration::from_secs(50), Duration::from_secs(60));
-        let a = h.assess_with(NOW, "here", |_| Some(true));
+        let a = h.assess_with(NOW, "here", |_| Some(true), |_| unreachable!("running"));
         assert_eq!(a.verdict, Verdict::Suspect);
         assert!(a.looks_alive);
         assert!(a.reason.contains("running"), "{}", a.reason);
@@ -669,7 +813,7 @@ mod tests {
     fn holder_without_metadata_is_unknown_and_looks_alive() {
         let mut h = Holder::bare("foreign".into());
         h.ttl_left = Some(Duration::from_secs(3));
-        let a = h.assess_with(NOW, "here", |_| unreachable!("no pid"));
+        let a = h.assess_with(NOW, "here", |_| unreachable!("no pid"), no_work);
         assert_eq!(a.verdict, Verdict::Unknown);
         assert!(a.looks_alive);
     }
@@ -679,7 +823,7 @@ mod tests {
         let mut h = Holder::bare("o".into());
         h.ttl = Some(Duration::from_secs(3));
         h.renewed_at = Some(NOW);
-        let a = h.assess_with(NOW + Duration::from_secs(10), "here", |_| None);
+        let a = h.assess_with(NOW + Duration::from_secs(10), "here", |_| None, no_work);
         assert_eq!(a.since_renewal, Some(Duration::from_secs(10)));
         assert_eq!(a.verdict, Verdict::Suspect);
     }
