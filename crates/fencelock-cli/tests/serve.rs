@@ -136,21 +136,23 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
     let dir = tempdir();
     let sc = Sidecar::start(dir.path(), &redis.url(), &[]);
     let ttl = Duration::from_millis(1500);
-    let lease = sc.acquire("crash", 1500, 0);
 
-    // The application is a real process holding the event stream: curl.
-    let id = lease["lease_id"].as_str().unwrap();
-    let mut curl = fencelock_testkit::BinCommand::new("curl");
-    curl.args(["-sN", &sc.url(&format!("/v1/leases/{id}/events"))])
-        .output_to(dir.path().join("curl.out"), dir.path().join("curl.err"));
-    let app = curl.spawn().unwrap();
-    assert!(wait_until(Duration::from_secs(10), || app
-        .stdout()
-        .contains("event: granted")));
-    // The stream keeps the lease past its TTL.
+    // The application is a real process: the Python example, with its keep-alives and its
+    // event stream.
+    let app = sidecar::python_app(dir.path(), &sc, "crash", 100_000, 1500, "crash");
+    assert!(
+        wait_until(Duration::from_secs(20), || app
+            .stdout()
+            .contains("write 1 accepted")),
+        "{}",
+        app.stderr()
+    );
+    let token = sidecar::granted_token(&app).unwrap();
+    // Its keep-alives keep the lease past its TTL.
     std::thread::sleep(ttl + Duration::from_millis(300));
-    assert!(sc.held("crash"), "held while the stream is open");
-    assert!(app.stdout().contains("event: renewed"), "{}", app.stdout());
+    assert!(sc.held("crash"), "held while the application lives");
+    let lock = sc.get("/v1/lock?name=crash").1;
+    assert!(lock["sidecar"]["renewals"].as_u64() > Some(0), "{lock}");
 
     kill(app.pid(), Signal::SIGKILL).unwrap();
     let killed = Instant::now();
@@ -160,7 +162,7 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
         killed.elapsed()
     );
     let next = sc.acquire("crash", 1500, 0);
-    assert!(next["token"].as_u64() > lease["token"].as_u64());
+    assert!(next["token"].as_u64().unwrap() > token);
     drop(app);
 
     // An application that sends keep-alives keeps its lease past the TTL, and loses it
@@ -192,12 +194,47 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
     sc.acquire("quiet", 1000, 0);
 }
 
+/// An open event stream kept a SIGSTOPped application's lease alive for ever: the kernel
+/// keeps a stopped process's connection open, so only keep-alives count as signs of life.
+#[test]
+fn a_stopped_application_with_an_open_stream_loses_its_lease_within_one_ttl() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let sc = Sidecar::start(dir.path(), &redis.url(), &[]);
+    let ttl = Duration::from_millis(1000);
+    let app = sidecar::python_app(dir.path(), &sc, "frozen", 100_000, 1000, "frozen");
+    assert!(
+        wait_until(Duration::from_secs(20), || app
+            .stdout()
+            .contains("write 3 accepted")),
+        "{}",
+        app.stderr()
+    );
+    let lock = sc.get("/v1/lock?name=frozen").1;
+    assert_eq!(lock["sidecar"]["streams"], 1, "the stream is open: {lock}");
+
+    kill(app.pid(), Signal::SIGSTOP).unwrap();
+    let stopped = Instant::now();
+    let (status, next) = sc.post(
+        "/v1/acquire",
+        json!({"resource": "frozen", "ttl_ms": 1000, "wait_ms": 10_000}),
+    );
+    let waited = stopped.elapsed();
+    kill(app.pid(), Signal::SIGKILL).unwrap();
+    assert_eq!(status, 200, "{next}");
+    assert!(
+        waited <= ttl + NOTICE,
+        "the stopped application kept its lease {waited:?} (TTL {ttl:?})"
+    );
+}
+
 #[test]
 fn a_forced_release_ends_the_stream_at_once_and_the_fence_refuses_the_old_token() {
     let dir = tempdir();
     let url = sqlite_url(dir.path());
     let sc = Sidecar::start(dir.path(), &url, &[]);
     let old = sc.acquire("ledger", 2000, 0);
+    let _alive = sc.keep_alive(&old);
     let events = sc.events(&old);
     next_event(&events, "granted", Duration::from_secs(5));
     let t_old = old["token"].as_u64().unwrap();
@@ -259,6 +296,7 @@ fn a_forced_release_ends_the_stream_at_once_and_the_fence_refuses_the_old_token(
     assert_eq!(audit[0]["reason"], "worker VM deleted", "{audit}");
 
     // A forced release from the command line reaches the stream at the next renewal.
+    let _alive = sc.keep_alive(&new);
     let events = sc.events(&new);
     next_event(&events, "granted", Duration::from_secs(5));
     let out = fencelock_in(

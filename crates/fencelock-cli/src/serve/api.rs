@@ -39,8 +39,8 @@ fn default_ttl() -> u64 {
 pub struct AcquireRequest {
     /// Resource name: 1 to 256 bytes, no control characters.
     pub resource: String,
-    /// Lease TTL in milliseconds (at least 100). Default 30000. The application must keep an
-    /// event stream open, or send a keep-alive within every TTL, or the lease is released.
+    /// Lease TTL in milliseconds (at least 100). Default 30000. The application must send a
+    /// keep-alive within every TTL (every TTL/3 is safe), or the lease is released.
     #[serde(default = "default_ttl")]
     #[schema(default = 30000)]
     pub ttl_ms: u64,
@@ -75,8 +75,7 @@ pub struct LeaseView {
     pub ttl_ms: u64,
     /// Time left in the validity window when this answer was made.
     pub valid_for_ms: u64,
-    /// Time left before the lease is released unless a keep-alive arrives or an event
-    /// stream is open.
+    /// Time left before the lease is released unless a keep-alive arrives.
     pub keepalive_within_ms: u64,
     /// Open event streams.
     pub streams: usize,
@@ -342,8 +341,8 @@ pub async fn release(
 }
 
 /// The lease's events, as Server-Sent Events: `granted` first, `renewed` after each
-/// confirmed renewal, and `lost` with the reason, after which the stream closes. While the
-/// stream is open the application counts as alive.
+/// confirmed renewal, and `lost` with the reason, after which the stream closes. The stream
+/// does not keep the lease alive: keep-alives do.
 #[utoipa::path(get, path = "/v1/leases/{lease_id}/events", tag = TAG,
     params(("lease_id" = String, Path, description = "The lease id from acquire")),
     responses((status = 200, description = "text/event-stream: events `granted`, `renewed`, `lost` with JSON data", content_type = "text/event-stream", body = String),
@@ -404,7 +403,7 @@ pub async fn events(
         }
     });
     // Heartbeats find a connection whose application died (its kernel closed it) at the next
-    // write, well within the TTL.
+    // write, so that the stream count the runbook shows stays true.
     let beat = (held.ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(beat))

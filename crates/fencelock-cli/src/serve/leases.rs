@@ -2,11 +2,11 @@
 //!
 //! The library's watchdog renews every lease (batched, one task per client). What the sidecar
 //! adds is the application's side of the bargain: a lease lives only while its application
-//! shows it is alive, by an open event stream or by keep-alives. The keeper of a lease
-//! releases it (owner-checked) the moment the application's deadline passes with no stream
-//! open: the latest keep-alive (the grant counts as one) plus the TTL. A crashed application's
-//! stream is closed by its kernel, noticed at the stream's next heartbeat write, so its lock
-//! is gone within one TTL of the crash, and a healthy sidecar never keeps it.
+//! shows it is alive, by keep-alives. The keeper of a lease releases it (owner-checked) the
+//! moment the application's deadline passes: the latest keep-alive (the grant counts as one)
+//! plus the TTL. An open event stream is not a sign of life: the kernel keeps the connection
+//! of a stopped (SIGSTOP, a debugger) or hung process open, so a stream alone would keep a
+//! frozen application's lock for ever. The stream is how the application learns of a loss.
 //!
 //! Dapr-style leases ([`Mode::Dapr`]) are not renewed at all: Dapr's lock is held for
 //! `expiryInSeconds` and then expires, which the library reports as a loss.
@@ -23,7 +23,7 @@ use tokio::time::Instant;
 /// How a lease's application proves it is alive.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Mode {
-    /// An event stream or keep-alives; renewed by the watchdog while either holds.
+    /// Keep-alives, each within a TTL of the previous one; renewed by the watchdog meanwhile.
     App,
     /// Dapr's API: held for its TTL without renewal, released by `lockOwner`.
     Dapr { lock_owner: String },
@@ -118,7 +118,7 @@ impl Held {
         self.streams.load(Ordering::SeqCst)
     }
 
-    /// When the application must next show it is alive, unless a stream is open.
+    /// When the application must next show it is alive.
     pub fn app_deadline(&self) -> Instant {
         *self
             .last_keepalive
@@ -128,7 +128,7 @@ impl Held {
     }
 }
 
-/// Counts one open event stream; dropping it (the connection closed) may end the lease.
+/// Counts one open event stream until dropped (the connection closed).
 pub struct StreamGuard {
     held: Arc<Held>,
 }
@@ -288,7 +288,7 @@ async fn watch_lease(
     let tick = (held.ttl / 6).clamp(Duration::from_millis(20), Duration::from_secs(1));
     let mut valid_until = lease.valid_until();
     loop {
-        let app_check = held.mode == Mode::App && held.streams() == 0;
+        let app_check = held.mode == Mode::App;
         let deadline = held.app_deadline();
         tokio::select! {
             lost = lease.run(std::future::pending::<()>()) => {
@@ -318,11 +318,11 @@ async fn watch_lease(
                 }
             },
             _ = tokio::time::sleep_until(deadline), if app_check => {
-                if held.streams() == 0 && Instant::now() >= held.app_deadline() {
+                if Instant::now() >= held.app_deadline() {
                     let ended = Ended {
                         reason: "application_gone",
                         message: format!(
-                            "no event stream open and no keep-alive within the TTL ({}); released",
+                            "no keep-alive within the TTL ({}); released",
                             crate::human_duration(held.ttl)
                         ),
                     };

@@ -226,3 +226,105 @@ pub fn artifact_dir() -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// The example Python client (`examples/sidecar/client.py`) as a real application process:
+/// it takes `resource` through the sidecar at `base`, keeps it alive, holds its event stream
+/// and writes every 0.1 s for `steps` steps. Its output goes to `dir/NAME.{out,err}`.
+pub fn python_app(
+    dir: &Path,
+    sc: &Sidecar,
+    resource: &str,
+    steps: u32,
+    ttl_ms: u64,
+    name: &str,
+) -> Proc {
+    let script = format!(
+        "{}/../../examples/sidecar/client.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut cmd = BinCommand::new("python3");
+    cmd.args([
+        script.as_str(),
+        "--sidecar",
+        &sc.base,
+        "--resource",
+        resource,
+        "--steps",
+        &steps.to_string(),
+        "--step-seconds",
+        "0.1",
+        "--ttl-ms",
+        &ttl_ms.to_string(),
+    ])
+    .output_to(
+        dir.join(format!("{name}.out")),
+        dir.join(format!("{name}.err")),
+    );
+    if let Some(token) = &sc.token {
+        cmd.env("FENCELOCK_SIDECAR_TOKEN", token);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// The fencing token an application process printed (`granted RESOURCE token N`), once it has.
+pub fn granted_token(app: &Proc) -> Option<u64> {
+    app.stdout()
+        .lines()
+        .find_map(|l| {
+            l.split_once(" token ")
+                .filter(|(g, _)| g.starts_with("granted "))
+        })
+        .and_then(|(_, t)| t.trim().parse().ok())
+}
+
+/// Keep-alives for a lease every third of its TTL, sent from a thread until dropped: the
+/// test standing in for a live application.
+pub struct KeepAlive {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Sidecar {
+    /// Sends keep-alives for `lease` until the guard is dropped or the lease has ended.
+    pub fn keep_alive(&self, lease: &Value) -> KeepAlive {
+        let url = self.url(&format!(
+            "/v1/leases/{}/keepalive",
+            lease["lease_id"].as_str().unwrap()
+        ));
+        let every = Duration::from_millis(lease["ttl_ms"].as_u64().unwrap() / 3);
+        let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let agent = agent();
+            let mut next = Instant::now();
+            while !stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                if Instant::now() >= next {
+                    let mut req = agent.post(&url).header("Content-Type", "application/json");
+                    if let Some(a) = &auth {
+                        req = req.header("Authorization", a);
+                    }
+                    match req.send("") {
+                        Ok(r) if r.status().as_u16() == 200 => {}
+                        _ => return,
+                    }
+                    next = Instant::now() + every;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        KeepAlive {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
