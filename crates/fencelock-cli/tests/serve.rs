@@ -700,7 +700,7 @@ fn ureq_text(url: &str) -> String {
 }
 
 #[test]
-fn sigterm_reports_shutdown_to_streams_and_releases_every_lease() {
+fn sigterm_releases_the_leases_whose_application_was_told_and_leaves_the_others() {
     let dir = tempdir();
     let url = sqlite_url(dir.path());
     let mut sc = Sidecar::start(dir.path(), &url, &[]);
@@ -713,16 +713,165 @@ fn sigterm_reports_shutdown_to_streams_and_releases_every_lease() {
     assert_eq!(lost["reason"], "shutdown", "{lost}");
     let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
-    for name in ["streamed", "quiet"] {
-        let out = fencelock_in(dir.path(), name, &["inspect", "--backend", &url, name])
+    assert!(
+        out.stderr.contains("1 leases released") && out.stderr.contains("1 left held"),
+        "{}",
+        out.stderr
+    );
+    let inspect = |name: &str| {
+        fencelock_in(dir.path(), name, &["inspect", "--backend", &url, name])
             .run(Duration::from_secs(20))
-            .unwrap();
-        assert!(
-            out.stdout.contains("free"),
-            "{name} released at shutdown: {out:?}"
-        );
+            .unwrap()
+    };
+    // The streamed application read `lost` and closed its stream: told, so released.
+    let out = inspect("streamed");
+    assert!(out.stdout.contains("free"), "released at shutdown: {out:?}");
+    // The other one could not be told: held on the engine until its TTL ends.
+    let out = inspect("quiet");
+    assert!(
+        out.stdout.contains(&quiet["token"].to_string()),
+        "left held: {out:?}"
+    );
+}
+
+/// SIGTERM released a Dapr lock and a lease kept by keep-alives at once, while their
+/// applications, never told, went on working unlocked.
+#[test]
+fn sigterm_leaves_a_dapr_lock_and_a_keepalive_lease_held_until_their_expiry() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let mut sc = Sidecar::start(dir.path(), &redis.url(), &[]);
+    let expiry = Duration::from_secs(5);
+    let locked = Instant::now();
+    let (_, got) = sc.post(
+        "/v1.0-alpha1/lock/lockstore",
+        json!({"resourceId": "dapr-job", "lockOwner": "vader", "expiryInSeconds": 5}),
+    );
+    assert_eq!(got["success"], true, "{got}");
+    let quiet = sc.acquire("quiet-job", 5000, 0);
+    let alive = sc.keep_alive(&quiet);
+    std::thread::sleep(Duration::from_millis(300));
+
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    let stopped = Instant::now();
+    let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    drop(alive);
+
+    // Another client, through another sidecar: refused while the leases last.
+    let other = Sidecar::start(dir.path(), &redis.url(), &[]);
+    for name in ["dapr-job", "quiet-job"] {
+        let (status, refused) =
+            other.post("/v1/acquire", json!({"resource": name, "ttl_ms": 1000}));
+        assert_eq!(status, 409, "{name} was released at shutdown: {refused}");
     }
-    let _ = quiet;
+    // Granted once they have expired: the Dapr lock at its expiry, the other at the end of
+    // its last renewal's TTL (at most a third of a TTL before the signal).
+    let next = other.acquire("dapr-job", 1000, 10_000);
+    let held_for = locked.elapsed();
+    assert!(
+        held_for >= expiry - Duration::from_millis(100),
+        "the Dapr lock was held {held_for:?} of its {expiry:?}"
+    );
+    assert!(next["token"].as_u64() > got["fencingToken"].as_u64());
+    other.acquire("quiet-job", 1000, 10_000);
+    let after_signal = stopped.elapsed();
+    assert!(
+        after_signal >= Duration::from_millis(5000 * 2 / 3 - 100),
+        "the keep-alive lease was free {after_signal:?} after the signal"
+    );
+}
+
+/// Dapr unlock after a restart of the sidecar answered status 2: the new process did not
+/// know the lock its predecessor took for the same lockOwner.
+#[test]
+fn dapr_unlock_by_the_same_lock_owner_works_after_a_restart() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let listen = format!("127.0.0.1:{}", fencelock_testkit::free_port());
+    let mut sc = Sidecar::start_on(dir.path(), &redis.url(), &listen, &[]);
+    let lock = |sc: &Sidecar, resource: &str, owner: &str| {
+        sc.post(
+            "/v1.0-alpha1/lock/lockstore",
+            json!({"resourceId": resource, "lockOwner": owner, "expiryInSeconds": 60}),
+        )
+        .1
+    };
+    let unlock = |sc: &Sidecar, owner: &str| {
+        sc.post(
+            "/v1.0-alpha1/unlock/lockstore",
+            json!({"resourceId": "lock1", "lockOwner": owner}),
+        )
+        .1
+    };
+    assert_eq!(lock(&sc, "lock1", "vader")["success"], true);
+    assert_eq!(lock(&sc, "lock2", "vader")["success"], true);
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    assert_eq!(
+        sc.proc.wait(Duration::from_secs(20)).unwrap().code(),
+        Some(0)
+    );
+
+    let sc = Sidecar::start_on(dir.path(), &redis.url(), &listen, &[]);
+    assert_eq!(unlock(&sc, "luke"), json!({"status": 2}), "another owner's");
+    assert_eq!(unlock(&sc, "vader"), json!({"status": 0}));
+    assert_eq!(
+        unlock(&sc, "vader"),
+        json!({"status": 1}),
+        "already released"
+    );
+    assert_eq!(
+        lock(&sc, "lock1", "luke")["success"],
+        true,
+        "free for the next"
+    );
+    assert_eq!(
+        lock(&sc, "lock2", "vader"),
+        json!({"success": false}),
+        "still held for vader, as Dapr's SET NX would say"
+    );
+}
+
+/// A sidecar on PostgreSQL advisory locks, whose locks end with its sessions, stays up after
+/// SIGTERM until the lease it could not hand back has expired, not releasing it by exiting.
+#[test]
+fn sigterm_on_session_locks_keeps_the_process_up_until_left_leases_expire() {
+    let pg = fencelock_testkit::PgServer::start().unwrap();
+    let dir = tempdir();
+    let mut sc = Sidecar::start(dir.path(), &pg.url(), &[]);
+    let quiet = sc.acquire("pg-quiet", 3000, 0);
+    let alive = sc.keep_alive(&quiet);
+    std::thread::sleep(Duration::from_millis(300));
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    let stopped = Instant::now();
+    drop(alive);
+    let inspect = || {
+        fencelock_in(
+            dir.path(),
+            "inspect",
+            &["inspect", "--backend", &pg.url(), "pg-quiet"],
+        )
+        .run(Duration::from_secs(20))
+        .unwrap()
+    };
+    assert!(wait_until(Duration::from_secs(10), || sc
+        .proc
+        .stderr()
+        .contains("keeping the process up")
+        || sc.proc.stderr().contains("stopped")));
+    let out = inspect();
+    assert!(
+        out.stdout.contains(&quiet["token"].to_string()),
+        "held after the signal: {out:?}"
+    );
+    let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
+    let lived = stopped.elapsed();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(
+        lived >= Duration::from_millis(3000 * 2 / 3 - 100),
+        "exited {lived:?} after the signal"
+    );
+    assert!(inspect().stdout.contains("free"));
 }
 
 fn example(name: &str) -> String {

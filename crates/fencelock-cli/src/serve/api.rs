@@ -392,7 +392,10 @@ pub async fn events(
                     return;
                 }
             }
-            if snap.ended.is_some() {
+            if let Some(end) = &snap.ended {
+                if super::leases::awaits_close(end.reason) {
+                    await_close(&tx).await;
+                }
                 return;
             }
             tokio::select! {
@@ -408,6 +411,24 @@ pub async fn events(
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(beat))
         .into_response())
+}
+
+/// Holds a stream that reported a lease handed back until the application closes it (its
+/// proof of having been told) or the keeper stops waiting. Comments are written meanwhile: a
+/// connection its peer closed is noticed only when a write fails.
+async fn await_close(tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>) {
+    let until = tokio::time::Instant::now() + super::leases::TOLD_WITHIN;
+    let mut ping = tokio::time::interval(Duration::from_millis(50));
+    while tokio::time::Instant::now() < until {
+        tokio::select! {
+            () = tx.closed() => return,
+            _ = ping.tick() => {
+                if tx.send(Ok(Event::default().comment(""))).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn json_event(name: &str, data: serde_json::Value) -> Event {

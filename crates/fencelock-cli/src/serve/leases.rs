@@ -9,9 +9,19 @@
 //! frozen application's lock for ever. The stream is how the application learns of a loss.
 //!
 //! Dapr-style leases ([`Mode::Dapr`]) are not renewed at all: Dapr's lock is held for
-//! `expiryInSeconds` and then expires, which the library reports as a loss.
+//! `expiryInSeconds` and then expires, which the library reports as a loss. Their owner value
+//! is derived from the application's `lockOwner` ([`Registry::dapr_owner`]), so that a
+//! restarted sidecar can still unlock them.
+//!
+//! **Handing a lease back** (the sidecar stops): a lease is released only once its
+//! application has been told, else it could go on working unlocked. Told means: the `lost`
+//! event went out on its event stream and the application then closed every stream of the
+//! lease, within [`TOLD_WITHIN`]. Any other lease (keep-alives only, Dapr's, a stream left
+//! open) is left held on the engine, neither renewed nor released, until its validity ends
+//! ([`Lease::leave`]); where the engine would end it with this process, the process waits
+//! for that ([`Registry::shut_down`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -60,8 +70,20 @@ pub enum Cmd {
     Extend(oneshot::Sender<fencelock::Result<Duration>>),
     /// The lock was force-released through this sidecar: report the loss at once.
     Forced(String),
-    /// The sidecar is stopping: report `shutdown`, release.
+    /// The sidecar is stopping: report `shutdown`; release once the application has been
+    /// told, else leave the lease to expire.
     Shutdown,
+}
+
+/// How long a lease being handed back waits for its application to close its streams after
+/// the `lost` event: the time a live application's stream reader takes to read the event and
+/// close the connection, with room for a loaded machine.
+pub const TOLD_WITHIN: Duration = Duration::from_secs(2);
+
+/// Whether a stream that reported this end waits for the application to close it (its
+/// closing is the proof the application was told); other ends close the stream at once.
+pub fn awaits_close(reason: &str) -> bool {
+    reason == "shutdown"
 }
 
 /// One lease held for an application: what handlers read, and the channel to its keeper.
@@ -141,12 +163,45 @@ impl Drop for StreamGuard {
 }
 
 /// Every lease the sidecar holds, by lease id.
-#[derive(Default)]
 pub struct Registry {
     leases: Mutex<HashMap<String, Arc<Held>>>,
     closing: AtomicBool,
     /// Signalled when the last keeper has finished, for the shutdown.
     emptied: Notify,
+    /// What tells this sidecar's Dapr owners from another's: see [`Registry::dapr_owner`].
+    identity: String,
+    /// Dapr owner values with a lock attempt in flight: one attempt per owner at a time.
+    claims: Mutex<HashSet<String>>,
+    /// Leases handed back: how many were released, and the ones left to expire.
+    handed_back: Mutex<HandedBack>,
+}
+
+/// What the shutdown did with the leases.
+#[derive(Debug, Default, Clone)]
+pub struct HandedBack {
+    /// Released once their application had been told.
+    pub released: usize,
+    /// Left held on the engine until their validity ends.
+    pub left: usize,
+    /// The latest end of validity among the left leases that end with this process: until
+    /// then the process must live, or they end early.
+    pub hold_until: Option<Instant>,
+}
+
+/// One Dapr owner value with a lock attempt in flight; dropping it ends the claim.
+pub struct Claim {
+    registry: Arc<Registry>,
+    owner: String,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.registry
+            .claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.owner);
+    }
 }
 
 /// What the handler that acquired a lease tells the registry about it.
@@ -157,6 +212,69 @@ pub struct Grant {
 }
 
 impl Registry {
+    /// A registry for the sidecar known by `identity`: its host and the address it listens
+    /// on, which a restarted sidecar serving the same applications has too.
+    pub fn new(identity: String) -> Registry {
+        Registry {
+            leases: Mutex::default(),
+            closing: AtomicBool::new(false),
+            emptied: Notify::new(),
+            identity,
+            claims: Mutex::default(),
+            handed_back: Mutex::default(),
+        }
+    }
+
+    /// The owner value of the Dapr lock `lock_owner` takes on `resource` through `store`, as
+    /// `principal`: the same in every process of this sidecar (so that a restarted one can
+    /// unlock what its predecessor locked), different for every other sidecar and client.
+    /// Dapr's own Redis store writes the `lockOwner` itself as the value; here the engine
+    /// grants a lock again to its owner value, so the value must not be shared with another
+    /// sidecar whose application happens to use the same `lockOwner`.
+    pub fn dapr_owner(
+        &self,
+        principal: &str,
+        store: &str,
+        resource: &str,
+        lock_owner: &str,
+    ) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"fencelock dapr owner v1");
+        // Each field with its length, so that no two different tuples hash alike.
+        for field in [
+            self.identity.as_str(),
+            principal,
+            store,
+            resource,
+            lock_owner,
+        ] {
+            h.update((field.len() as u64).to_be_bytes());
+            h.update(field.as_bytes());
+        }
+        h.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Claims `owner` for one lock attempt; `None` while another attempt has it.
+    pub fn claim(self: &Arc<Self>, owner: &str) -> Option<Claim> {
+        let fresh = self
+            .claims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(owner.to_owned());
+        fresh.then(|| Claim {
+            registry: self.clone(),
+            owner: owner.to_owned(),
+        })
+    }
+
+    fn handed_back(&self) -> std::sync::MutexGuard<'_, HandedBack> {
+        self.handed_back.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Takes `lease` into the sidecar's care and starts its keeper. `None` when the sidecar
     /// is shutting down: the lease is released before returning.
     pub async fn adopt(self: &Arc<Self>, lease: Lease, grant: Grant) -> Option<Arc<Held>> {
@@ -222,9 +340,9 @@ impl Registry {
         }
     }
 
-    /// Refuses new leases, tells every keeper to report `shutdown` and release, and waits
-    /// (up to `limit`) until all have.
-    pub async fn shut_down(&self, limit: Duration) {
+    /// Refuses new leases, tells every keeper to hand its lease back (see the module docs),
+    /// and waits (up to `limit`) until all have. Returns what became of them.
+    pub async fn shut_down(&self, limit: Duration) -> HandedBack {
         self.closing.store(true, Ordering::SeqCst);
         let all = self.all();
         for held in &all {
@@ -240,6 +358,7 @@ impl Registry {
             }
         })
         .await;
+        self.handed_back().clone()
     }
 }
 
@@ -252,7 +371,9 @@ async fn keep(
     mut cmds: mpsc::Receiver<Cmd>,
 ) {
     let (ended, reply) = watch_lease(&held, &lease, &mut cmds).await;
-    let ended = if matches!(ended.reason, "application_gone" | "shutdown" | "released") {
+    let ended = if awaits_close(ended.reason) {
+        hand_back(&registry, &held, lease, ended).await
+    } else if matches!(ended.reason, "application_gone" | "released") {
         // Reported before the release call returns: streams learn at once that the lease
         // must no longer be relied on.
         held.state.send_modify(|s| s.ended = Some(ended.clone()));
@@ -278,6 +399,65 @@ async fn keep(
 }
 
 type ReleaseReply = oneshot::Sender<fencelock::Result<()>>;
+
+/// Ends a lease whose application may still be working: reports `ended` to its streams, and
+/// releases it if the application then closes them all within [`TOLD_WITHIN`]; otherwise
+/// leaves it held, unrenewed, until its validity ends.
+async fn hand_back(registry: &Registry, held: &Held, lease: Lease, ended: Ended) -> Ended {
+    let streams = held.streams();
+    held.state.send_modify(|s| s.ended = Some(ended.clone()));
+    let told = streams > 0 && streams_closed_within(held, TOLD_WITHIN).await;
+    if told {
+        let outcome = lease.release().await;
+        let mut record = registry.handed_back();
+        record.released += 1;
+        return Ended {
+            reason: ended.reason,
+            message: match outcome {
+                Ok(()) => format!(
+                    "{}; released once the application had closed its stream",
+                    ended.message
+                ),
+                Err(e) => format!("{}; the release failed ({e})", ended.message),
+            },
+        };
+    }
+    let left = lease.time_left();
+    {
+        let mut record = registry.handed_back();
+        record.left += 1;
+        if lease.ends_with_process() {
+            let until = lease.valid_until();
+            record.hold_until = Some(record.hold_until.map_or(until, |u| u.max(until)));
+        }
+    }
+    lease.leave();
+    Ended {
+        reason: ended.reason,
+        message: format!(
+            "{}; its application could not be told first, so the lease stays held on the \
+             engine, not renewed, until its validity ends in {}",
+            ended.message,
+            crate::human_duration(left)
+        ),
+    }
+}
+
+/// Whether every stream of `held` closes within `limit`.
+async fn streams_closed_within(held: &Held, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        // Made before the check: a stream closing in between leaves its notice stored.
+        let closed = held.liveness.notified();
+        if held.streams() == 0 {
+            return true;
+        }
+        tokio::select! {
+            () = closed => {}
+            () = tokio::time::sleep_until(deadline) => return held.streams() == 0,
+        }
+    }
+}
 
 async fn watch_lease(
     held: &Held,

@@ -44,7 +44,12 @@ impl Sidecar {
     /// Starts `fencelock serve --backend URL --listen 127.0.0.1:0 EXTRA...` and waits until it
     /// says where it listens.
     pub fn start(dir: &Path, url: &str, extra: &[&str]) -> Sidecar {
-        let mut args = vec!["serve", "--backend", url, "--listen", "127.0.0.1:0"];
+        Sidecar::start_on(dir, url, "127.0.0.1:0", extra)
+    }
+
+    /// [`Sidecar::start`] listening on `listen`.
+    pub fn start_on(dir: &Path, url: &str, listen: &str, extra: &[&str]) -> Sidecar {
+        let mut args = vec!["serve", "--backend", url, "--listen", listen];
         args.extend_from_slice(extra);
         let name = format!("serve-{}", fencelock_testkit::free_port());
         let proc = fencelock_in(dir, &name, &args).spawn().unwrap();
@@ -181,7 +186,10 @@ impl Sidecar {
                     name = n.to_owned();
                 } else if let Some(d) = line.strip_prefix("data: ") {
                     let data = serde_json::from_str(d).unwrap_or(Value::Null);
-                    if tx.send((std::mem::take(&mut name), data)).is_err() {
+                    let lost = name == "lost";
+                    if tx.send((std::mem::take(&mut name), data)).is_err() || lost {
+                        // Closed once `lost` is read, as an application does: the sidecar
+                        // takes the closing as its proof the application was told.
                         return;
                     }
                 }

@@ -57,6 +57,8 @@ pub(crate) struct ClientInner {
     pub(crate) next_id: AtomicU64,
     /// A dropped lease is released, not left to expire ([`Opened::release_abandoned`]).
     pub(crate) release_abandoned: bool,
+    /// [`Opened::ends_with_process`].
+    pub(crate) ends_with_process: bool,
 }
 
 /// Builds a [`Client`]: the backend URL plus optional settings.
@@ -184,6 +186,7 @@ impl ClientBuilder {
             elections,
             losses,
             release_abandoned,
+            ends_with_process,
         } = opened;
         let calls = Calls {
             engine: engine.kind(),
@@ -213,6 +216,7 @@ impl ClientBuilder {
                 cleanup,
                 next_id: AtomicU64::new(1),
                 release_abandoned,
+                ends_with_process,
             }),
         }
     }
@@ -357,6 +361,27 @@ impl Client {
             .calls
             .call(name, inner.cfg.op_timeout, inner.engine.inspect(name))
             .await
+    }
+
+    /// Owner-checked release of the grant `owner` holds on `name`, without its [`Lease`]: for
+    /// a holder that acquired with a known owner value ([`LockOptions::owner`]) and lost its
+    /// lease object, to a restart typically. `Ok(true)` when that owner held the lock and it is
+    /// released (waiters are woken), `Ok(false)` when it did not hold it.
+    ///
+    /// Where the lock lives in the session of the process that took it (PostgreSQL advisory
+    /// locks, etcd sessions, ZooKeeper's ephemeral nodes), only that process's client can
+    /// release it; another finds nothing to release (`Ok(false)`), and the lock ends with
+    /// that session.
+    ///
+    /// [`Lease`]: crate::Lease
+    /// [`LockOptions::owner`]: crate::LockOptions::owner
+    pub async fn release_owner(&self, name: &str, owner: &str) -> Result<bool> {
+        validate_name(name)?;
+        let this = self.on(name)?;
+        this.inner
+            .release_owner(name, owner)
+            .await
+            .map_err(|e| this.inner.calls.named(e))
     }
 
     /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost
