@@ -504,6 +504,67 @@ fn tokens_map_to_prefixes_and_the_file_is_reread_on_sighup() {
     assert_eq!(acquire(Some(rotated), "invoices/y").0, 200);
 }
 
+/// A token revoked by re-reading the auth file on SIGHUP left its open streams running and
+/// its leases renewed.
+#[test]
+fn revoking_a_token_on_sighup_ends_its_leases_and_their_streams() {
+    let dir = tempdir();
+    let auth = dir.path().join("auth");
+    let billing = "billing-token-0123456789abcdef";
+    let ops = "ops-token-0123456789abcdef0123";
+    std::fs::write(&auth, format!("{billing} billing billing/\n{ops} ops *\n")).unwrap();
+    let sc = Sidecar::start(
+        dir.path(),
+        &sqlite_url(dir.path()),
+        &["--auth-file", auth.to_str().unwrap()],
+    );
+    let acquire = |token: &str, name: &str, wait_ms: u64| {
+        sc.call_as(
+            Some(token),
+            "POST",
+            "/v1/acquire",
+            Some(json!({"resource": name, "ttl_ms": 10_000, "wait_ms": wait_ms})),
+        )
+    };
+    let held = |token: &str, name: &str| {
+        let (status, lease) = acquire(token, name, 0);
+        assert_eq!(status, 200, "{name}: {lease}");
+        let alive = sc.keep_alive_as(Some(token), &lease);
+        let events = sc.events_as(Some(token), &lease);
+        next_event(&events, "granted", Duration::from_secs(5));
+        (lease, alive, events)
+    };
+    // billing's token goes; ops keeps its token but loses every prefix but `jobs/`.
+    let (_, _a, revoked) = held(billing, "billing/a");
+    let (_, _b, narrowed) = held(ops, "other/b");
+    let (kept, _c, untouched) = held(ops, "jobs/c");
+    std::fs::write(&auth, format!("{ops} ops jobs/\n")).unwrap();
+    kill(sc.proc.pid(), Signal::SIGHUP).unwrap();
+
+    for (name, events) in [("billing/a", &revoked), ("other/b", &narrowed)] {
+        let lost = next_event(events, "lost", Duration::from_secs(2));
+        assert_eq!(lost["reason"], "revoked", "{name}: {lost}");
+    }
+    // Told (their streams closed after `lost`): released, so another client gets them now.
+    let admin = "admin-token-0123456789abcdef01";
+    std::fs::write(&auth, format!("{ops} ops jobs/\n{admin} admin *\n")).unwrap();
+    kill(sc.proc.pid(), Signal::SIGHUP).unwrap();
+    assert!(wait_until(Duration::from_secs(5), || sc
+        .proc
+        .stderr()
+        .matches("re-read")
+        .count()
+        == 2));
+    for name in ["billing/a", "other/b"] {
+        let (status, lease) = acquire(admin, name, 0);
+        assert_eq!(status, 200, "{name} was not released: {lease}");
+    }
+    // The lease the new file still allows is untouched.
+    assert!(untouched.recv_timeout(Duration::from_millis(300)).is_err());
+    let (_, lock) = sc.call_as(Some(ops), "GET", "/v1/lock?name=jobs/c", None);
+    assert_eq!(lock["holder"]["token"], kept["token"], "{lock}");
+}
+
 #[test]
 fn without_an_auth_file_only_loopback_is_served() {
     let dir = tempdir();

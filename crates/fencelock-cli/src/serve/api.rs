@@ -82,7 +82,7 @@ pub struct LeaseView {
     /// Confirmed renewals.
     pub renewals: u64,
     /// Set once the lease has ended (`released`, `expired`, `not_holder`, `force_released`,
-    /// `application_gone`, `shutdown`).
+    /// `application_gone`, `revoked`, `shutdown`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = String, required = false)]
     pub ended: Option<&'static str>,
@@ -224,16 +224,22 @@ pub fn shutting_down() -> ApiError {
     )
 }
 
-/// The lease `id` if this principal took it.
+/// The lease `id` if this principal took it, and may still use its name.
 fn own_lease(app: &AppState, who: &Principal, id: &str) -> Result<Arc<Held>, ApiError> {
-    app.registry
+    let held = app
+        .registry
         .get(id)
         .filter(|h| h.principal == who.client)
         .ok_or_else(|| {
             ApiError::not_found(format!(
                 "no lease {id:?} held by this sidecar for this client; it ended or never existed"
             ))
-        })
+        })?;
+    if who.may(&held.resource) {
+        Ok(held)
+    } else {
+        Err(ApiError::forbidden(&held.resource))
+    }
 }
 
 fn gone(h: &Held, snap: &Snapshot) -> ApiError {

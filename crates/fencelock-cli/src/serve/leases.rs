@@ -13,13 +13,13 @@
 //! is derived from the application's `lockOwner` ([`Registry::dapr_owner`]), so that a
 //! restarted sidecar can still unlock them.
 //!
-//! **Handing a lease back** (the sidecar stops): a lease is released only once its
-//! application has been told, else it could go on working unlocked. Told means: the `lost`
-//! event went out on its event stream and the application then closed every stream of the
-//! lease, within [`TOLD_WITHIN`]. Any other lease (keep-alives only, Dapr's, a stream left
-//! open) is left held on the engine, neither renewed nor released, until its validity ends
-//! ([`Lease::leave`]); where the engine would end it with this process, the process waits
-//! for that ([`Registry::shut_down`]).
+//! **Handing a lease back** (the sidecar stops, or the auth file no longer lets the lease's
+//! client use its name): a lease is released only once its application has been told, else
+//! it could go on working unlocked. Told means: the `lost` event went out on its event stream
+//! and the application then closed every stream of the lease, within [`TOLD_WITHIN`]. Any
+//! other lease (keep-alives only, Dapr's, a stream left open) is left held on the engine,
+//! neither renewed nor released, until its validity ends ([`Lease::leave`]); where the engine
+//! would end it with this process, the process waits for that ([`Registry::shut_down`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -43,7 +43,7 @@ pub enum Mode {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ended {
     /// A short code: `released`, `expired`, `not_holder`, `force_released`,
-    /// `application_gone`, `shutdown`.
+    /// `application_gone`, `revoked`, `shutdown`.
     pub reason: &'static str,
     /// One sentence for people.
     pub message: String,
@@ -73,6 +73,9 @@ pub enum Cmd {
     /// The sidecar is stopping: report `shutdown`; release once the application has been
     /// told, else leave the lease to expire.
     Shutdown,
+    /// The auth file no longer lets the lease's client use its name (said here): as for
+    /// `Shutdown`, with the reason `revoked`.
+    Revoked(String),
 }
 
 /// How long a lease being handed back waits for its application to close its streams after
@@ -83,7 +86,7 @@ pub const TOLD_WITHIN: Duration = Duration::from_secs(2);
 /// Whether a stream that reported this end waits for the application to close it (its
 /// closing is the proof the application was told); other ends close the stream at once.
 pub fn awaits_close(reason: &str) -> bool {
-    reason == "shutdown"
+    matches!(reason, "shutdown" | "revoked")
 }
 
 /// One lease held for an application: what handlers read, and the channel to its keeper.
@@ -340,6 +343,18 @@ impl Registry {
         }
     }
 
+    /// Hands back the leases `revoked` picks (their client lost the right to their name), as
+    /// a shutdown does; returns how many.
+    pub async fn revoke(&self, revoked: impl Fn(&Held) -> Option<String>) -> usize {
+        let mut n = 0;
+        for held in self.all() {
+            if let Some(why) = revoked(&held) {
+                n += usize::from(held.send(Cmd::Revoked(why)).await);
+            }
+        }
+        n
+    }
+
     /// Refuses new leases, tells every keeper to hand its lease back (see the module docs),
     /// and waits (up to `limit`) until all have. Returns what became of them.
     pub async fn shut_down(&self, limit: Duration) -> HandedBack {
@@ -407,10 +422,13 @@ async fn hand_back(registry: &Registry, held: &Held, lease: Lease, ended: Ended)
     let streams = held.streams();
     held.state.send_modify(|s| s.ended = Some(ended.clone()));
     let told = streams > 0 && streams_closed_within(held, TOLD_WITHIN).await;
+    // The shutdown's count; a lease left to expire counts wherever it was left, since the
+    // process may have to outlive it.
+    let shutdown = ended.reason == "shutdown";
     if told {
         let outcome = lease.release().await;
         let mut record = registry.handed_back();
-        record.released += 1;
+        record.released += usize::from(shutdown);
         return Ended {
             reason: ended.reason,
             message: match outcome {
@@ -425,7 +443,7 @@ async fn hand_back(registry: &Registry, held: &Held, lease: Lease, ended: Ended)
     let left = lease.time_left();
     {
         let mut record = registry.handed_back();
-        record.left += 1;
+        record.left += usize::from(shutdown);
         if lease.ends_with_process() {
             let until = lease.valid_until();
             record.hold_until = Some(record.hold_until.map_or(until, |u| u.max(until)));
@@ -491,6 +509,9 @@ async fn watch_lease(
                 }
                 Some(Cmd::Forced(why)) => {
                     return (Ended { reason: "force_released", message: why }, None);
+                }
+                Some(Cmd::Revoked(why)) => {
+                    return (Ended { reason: "revoked", message: why }, None);
                 }
                 Some(Cmd::Shutdown) | None => {
                     let ended = Ended { reason: "shutdown", message: "the sidecar is shutting down".into() };

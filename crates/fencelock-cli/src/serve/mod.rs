@@ -347,7 +347,18 @@ async fn signals(state: Arc<AppState>, stopping: tokio::sync::watch::Sender<u8>)
             _ = hup.recv() => {
                 if let Some(auth) = &state.auth {
                     match auth.reload() {
-                        Ok(n) => eprintln!("fencelock: re-read {} ({n} clients)", auth.path().display()),
+                        Ok(n) => {
+                            let revoked = state.registry.revoke(|h| {
+                                (!auth.allows(&h.principal, &h.resource)).then(|| format!(
+                                    "the auth file no longer lets client {:?} use {:?}",
+                                    h.principal, h.resource
+                                ))
+                            }).await;
+                            eprintln!(
+                                "fencelock: re-read {} ({n} clients; {revoked} leases revoked)",
+                                auth.path().display()
+                            );
+                        }
                         Err(e) => eprintln!("fencelock: {e}; keeping the previous auth file"),
                     }
                 }

@@ -166,12 +166,17 @@ impl Sidecar {
     /// Opens the lease's event stream; its events arrive on the returned channel as
     /// `(event name, data)`, the channel closing with the stream.
     pub fn events(&self, lease: &Value) -> mpsc::Receiver<(String, Value)> {
+        self.events_as(self.token.as_deref(), lease)
+    }
+
+    /// [`Sidecar::events`] with the bearer token `token`.
+    pub fn events_as(&self, token: Option<&str>, lease: &Value) -> mpsc::Receiver<(String, Value)> {
         let url = self.url(&format!(
             "/v1/leases/{}/events",
             lease["lease_id"].as_str().unwrap()
         ));
         let mut req = agent().get(&url);
-        if let Some(t) = &self.token {
+        if let Some(t) = token {
             req = req.header("Authorization", format!("Bearer {t}"));
         }
         let resp = req.call().unwrap();
@@ -304,12 +309,17 @@ impl Drop for KeepAlive {
 impl Sidecar {
     /// Sends keep-alives for `lease` until the guard is dropped or the lease has ended.
     pub fn keep_alive(&self, lease: &Value) -> KeepAlive {
+        self.keep_alive_as(self.token.as_deref(), lease)
+    }
+
+    /// [`Sidecar::keep_alive`] with the bearer token `token`.
+    pub fn keep_alive_as(&self, token: Option<&str>, lease: &Value) -> KeepAlive {
         let url = self.url(&format!(
             "/v1/leases/{}/keepalive",
             lease["lease_id"].as_str().unwrap()
         ));
         let every = Duration::from_millis(lease["ttl_ms"].as_u64().unwrap() / 3);
-        let auth = self.token.as_ref().map(|t| format!("Bearer {t}"));
+        let auth = token.map(|t| format!("Bearer {t}"));
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
