@@ -1076,3 +1076,104 @@ fn the_fence_endpoint_on_postgres_and_locks_on_postgres() {
     let out = pg.psql("select count(*) from fencelock_fence").unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1", "{out:?}");
 }
+
+/// Fails if a `lost` event comes on `events` within `limit` (other events are skipped).
+fn no_loss(name: &str, events: &std::sync::mpsc::Receiver<(String, Value)>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        let got = events.recv_timeout(left);
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = got {
+            return;
+        }
+        assert!(got.is_ok(), "{name}: the stream ended");
+        let (event, data) = got.unwrap();
+        assert_ne!(event, "lost", "{name}: {data}");
+    }
+}
+
+/// A forced release through a sidecar on PostgreSQL advisory locks terminated the session
+/// holding many applications' leases: three unrelated leases ended with it, and the forced
+/// one reported `expired`.
+#[test]
+fn a_forced_release_on_postgres_advisory_ends_only_the_named_lease() {
+    let pg = fencelock_testkit::PgServer::start().unwrap();
+    let dir = tempdir();
+    // One session for every lease, as many applications share few sessions.
+    let url = format!("{}?pool=2", pg.url());
+    let sc = Sidecar::start(dir.path(), &url, &[]);
+    let apps: Vec<_> = ["pg/a", "pg/b", "pg/c", "pg/d"]
+        .iter()
+        .map(|name| {
+            let lease = sc.acquire(name, 10_000, 0);
+            let alive = sc.keep_alive(&lease);
+            let events = sc.events(&lease);
+            next_event(&events, "granted", Duration::from_secs(5));
+            (*name, lease, alive, events)
+        })
+        .collect();
+
+    let (status, done) = sc.post(
+        "/v1/force-release",
+        json!({"resource": "pg/a", "reason": "stuck", "holder_is_dead": true}),
+    );
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["record"]["holder"]["token"], apps[0].1["token"]);
+    assert!(
+        done.get("ended_with").is_none(),
+        "nothing else ended: {done}"
+    );
+    let lost = next_event(&apps[0].3, "lost", Duration::from_secs(2));
+    assert_eq!(lost["reason"], "force_released", "{lost}");
+    for (name, lease, _, events) in &apps[1..] {
+        no_loss(name, events, Duration::from_secs(1));
+        let (_, lock) = sc.get(&format!("/v1/lock?name={name}"));
+        assert_eq!(lock["holder"]["token"], lease["token"], "{name}: {lock}");
+    }
+    let next = sc.acquire("pg/a", 10_000, 0);
+    assert!(next["token"].as_u64() > done["record"]["counter"].as_u64());
+    sc.release(&next);
+
+    // From another process, ending the sidecar's session is the only way: every lease that
+    // goes with it is named and recorded, and the sidecar's streams say so at once.
+    let out = fencelock_in(
+        dir.path(),
+        "force",
+        &[
+            "release",
+            "--backend",
+            &url,
+            "--force",
+            "--reason",
+            "cli",
+            "--holder-is-dead",
+            "pg/b",
+        ],
+    )
+    .run(Duration::from_secs(30))
+    .unwrap();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    for name in ["pg/c", "pg/d"] {
+        assert!(
+            out.stdout.contains(name),
+            "{name} not named: {}",
+            out.stdout
+        );
+    }
+    for (name, _, _, events) in &apps[1..] {
+        let lost = next_event(events, "lost", Duration::from_secs(2));
+        assert_eq!(lost["reason"], "not_holder", "{name}: {lost}");
+    }
+    let (_, audit) = sc.get("/v1/audit");
+    let recorded: Vec<&str> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["resource"].as_str().unwrap())
+        .collect();
+    for name in ["pg/a", "pg/b", "pg/c", "pg/d"] {
+        assert!(
+            recorded.contains(&name),
+            "{name} not in the audit log: {audit}"
+        );
+    }
+}

@@ -587,6 +587,11 @@ pub struct ForceReleased {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = AuditView, required = false)]
     pub record: Option<AuditView>,
+    /// The other leases that ended with it (PostgreSQL advisory locks held in another
+    /// process's session, which had to end), each with its own audit record.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(required = false)]
+    pub ended_with: Vec<AuditView>,
 }
 
 /// Forces the release of a stuck lock, with the CLI's rules: refused (409 `holder_alive`)
@@ -616,24 +621,37 @@ pub async fn force_release(
     let request = ForceRelease::new(&req.reason)
         .user(user)
         .holder_is_dead(req.holder_is_dead);
-    match app.client.force_release(&req.resource, &request).await {
+    // Until it is answered, a loss of this sidecar's lease on the name is the forced release's
+    // doing: the engine may report it before the answer comes.
+    let forcing = app.registry.forcing(&req.resource);
+    let outcome = app.client.force_release(&req.resource, &request).await;
+    match outcome {
         Ok(Some(record)) => {
-            for held in app.registry.on_resource(&req.resource) {
-                if held.owner == record.holder.owner {
-                    held.send(Cmd::Forced(format!("force-released: {}", req.reason)))
-                        .await;
+            for r in std::iter::once(&record).chain(&record.ended_with) {
+                for held in app.registry.on_resource(&r.resource) {
+                    if held.owner == r.holder.owner {
+                        let why = if r.resource == req.resource {
+                            format!("force-released: {}", req.reason)
+                        } else {
+                            r.reason.clone()
+                        };
+                        held.send(Cmd::Forced(why)).await;
+                    }
                 }
             }
+            drop(forcing);
             Ok(Json(ForceReleased {
                 released: true,
                 resource: req.resource,
                 record: Some(AuditView::of(&record)),
+                ended_with: record.ended_with.iter().map(AuditView::of).collect(),
             }))
         }
         Ok(None) => Ok(Json(ForceReleased {
             released: false,
             resource: req.resource,
             record: None,
+            ended_with: Vec::new(),
         })),
         Err(e) if e.kind() == ErrorKind::HeldByAnother => {
             let mut err = ApiError::from_lib(&e, "resource");

@@ -106,6 +106,8 @@ pub struct Held {
     streams: AtomicUsize,
     last_keepalive: Mutex<Instant>,
     liveness: Notify,
+    /// Forced releases of this lease's name through this sidecar in flight.
+    forcing: AtomicUsize,
 }
 
 impl Held {
@@ -191,6 +193,20 @@ pub struct HandedBack {
     pub hold_until: Option<Instant>,
 }
 
+/// Leases whose name a forced release through this sidecar is releasing.
+pub struct Forcing {
+    held: Vec<Arc<Held>>,
+}
+
+impl Drop for Forcing {
+    fn drop(&mut self) {
+        for h in &self.held {
+            h.forcing.fetch_sub(1, Ordering::SeqCst);
+            h.liveness.notify_one();
+        }
+    }
+}
+
 /// One Dapr owner value with a lock attempt in flight; dropping it ends the claim.
 pub struct Claim {
     registry: Arc<Registry>,
@@ -261,6 +277,16 @@ impl Registry {
             .collect()
     }
 
+    /// Marks the leases held on `resource` as being force-released through this sidecar, until
+    /// the guard is dropped (the forced release answered, and its lease was told why).
+    pub fn forcing(&self, resource: &str) -> Forcing {
+        let held = self.on_resource(resource);
+        for h in &held {
+            h.forcing.fetch_add(1, Ordering::SeqCst);
+        }
+        Forcing { held }
+    }
+
     /// Claims `owner` for one lock attempt; `None` while another attempt has it.
     pub fn claim(self: &Arc<Self>, owner: &str) -> Option<Claim> {
         let fresh = self
@@ -308,6 +334,7 @@ impl Registry {
             streams: AtomicUsize::new(0),
             last_keepalive: Mutex::new(Instant::now()),
             liveness: Notify::new(),
+            forcing: AtomicUsize::new(0),
         });
         self.map().insert(held.id.clone(), held.clone());
         tokio::spawn(keep(self.clone(), held.clone(), lease, rx));
@@ -415,6 +442,27 @@ async fn keep(
 
 type ReleaseReply = oneshot::Sender<fencelock::Result<()>>;
 
+/// The reason of a forced release through this sidecar that was in flight when the lease was
+/// found lost: it caused the loss, and its handler sends the reason once answered.
+async fn forced_meanwhile(held: &Held, cmds: &mut mpsc::Receiver<Cmd>) -> Option<String> {
+    while held.forcing.load(Ordering::SeqCst) > 0 {
+        let done = held.liveness.notified();
+        tokio::select! {
+            // Whatever else was asked of a lost lease gets its answer from the keeper's end:
+            // the reply is dropped, which the handlers report as gone.
+            cmd = cmds.recv() => if let Some(Cmd::Forced(why)) = cmd {
+                return Some(why);
+            },
+            () = done => {}
+        }
+    }
+    // The handler may have sent its reason just before letting go.
+    match cmds.try_recv() {
+        Ok(Cmd::Forced(why)) => Some(why),
+        _ => None,
+    }
+}
+
 /// Ends a lease whose application may still be working: reports `ended` to its streams, and
 /// releases it if the application then closes them all within [`TOLD_WITHIN`]; otherwise
 /// leaves it held, unrenewed, until its validity ends.
@@ -491,7 +539,14 @@ async fn watch_lease(
         tokio::select! {
             lost = lease.run(std::future::pending::<()>()) => {
                 let message = lost.err().map(|e| e.to_string()).unwrap_or_default();
-                let reason = if message.contains("no longer lists this owner") {
+                if let Some(why) = forced_meanwhile(held, cmds).await {
+                    return (Ended { reason: "force_released", message: why }, None);
+                }
+                // The engine no longer lists this owner, or ended the session that held it
+                // (a forced release elsewhere, typically).
+                let reason = if message.contains("no longer lists this owner")
+                    || message.contains("session holding it ended")
+                {
                     "not_holder"
                 } else {
                     "expired"

@@ -450,6 +450,7 @@ impl Client {
             holder: old,
             counter: FencingToken::new(0),
             not_released_on: Vec::new(),
+            ended_with: Vec::new(),
         };
         let done = inner
             .calls
