@@ -2,9 +2,12 @@
 """A fencelock sidecar client in plain Python (standard library only).
 
 It acquires a lock through `fencelock serve`, waiting while another application holds it;
-keeps the lease alive by holding its event stream open in a thread; does its work in steps,
-sending the fencing token with every write (here to the sidecar's fence endpoint, standing
-in for the protected resource); stops the moment the stream reports `lost`; and releases.
+keeps the lease alive with keep-alives from a thread of its own, every third of the TTL (a
+process that is stopped or has crashed sends none, so its lease ends within one TTL); holds
+the lease's event stream open in another thread, to learn at once of a loss; does its work in
+steps, sending the fencing token with every write (here to the sidecar's fence endpoint,
+standing in for the protected resource); stops the moment the stream reports `lost` or a
+keep-alive is refused; and releases.
 
     python3 client.py --sidecar http://127.0.0.1:7878 --resource nightly-invoices --steps 10
 
@@ -50,17 +53,20 @@ class Sidecar:
                          timeout=wait_ms / 1000 + self.timeout)
 
     def events(self, lease_id):
-        """Yields (event, data) from the lease's Server-Sent Events until the stream ends."""
+        """Yields (event, data) from the lease's Server-Sent Events until the stream ends.
+
+        The connection is closed as soon as the caller stops reading (after `lost`): closing it
+        is how the sidecar learns that the application heard the news (see its shutdown)."""
         # No read timeout: the server sends a heartbeat well within the TTL.
-        resp = self._request("GET", "/v1/leases/%s/events" % lease_id, timeout=None)
-        name = None
-        for raw in resp:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                yield name, json.loads(line[len("data: "):])
-                name = None
+        with self._request("GET", "/v1/leases/%s/events" % lease_id, timeout=None) as resp:
+            name = None
+            for raw in resp:
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("event: "):
+                    name = line[len("event: "):]
+                elif line.startswith("data: "):
+                    yield name, json.loads(line[len("data: "):])
+                    name = None
 
 
 def main():
@@ -83,6 +89,7 @@ def main():
 
     lost = threading.Event()
     streaming = threading.Event()
+    stream_done = threading.Event()
     why = {}
 
     def watch():
@@ -91,16 +98,33 @@ def main():
                 if event == "granted":
                     streaming.set()
                 elif event == "lost":
+                    # The stream's reason is the precise one: it wins over a refused keep-alive.
                     why["reason"] = data.get("reason")
                     break
         except OSError as e:
-            why["reason"] = "stream failed: %s" % e
+            why.setdefault("reason", "stream failed: %s" % e)
         finally:
             # A stream that ends for any reason means the lease can no longer be relied on.
             streaming.set()
             lost.set()
+            stream_done.set()
+
+    def keep_alive():
+        # The lease's sign of life: it must come from this process, so that a process that is
+        # stopped (SIGSTOP, a debugger) or hung loses its lease within one TTL. An open stream
+        # is not one: the kernel keeps a stopped process's connection open.
+        while not lost.wait(args.ttl_ms / 3000):
+            try:
+                status, answer = sidecar.call("POST", "/v1/leases/%s/keepalive" % lease_id,
+                                              timeout=args.ttl_ms / 3000)
+            except OSError as e:
+                status, answer = None, {"message": str(e)}
+            if status != 200:
+                why.setdefault("reason", "keep-alive refused: %s" % answer.get("message"))
+                lost.set()
 
     threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=keep_alive, daemon=True).start()
     streaming.wait(10)
 
     for step in range(args.steps):
@@ -118,6 +142,8 @@ def main():
             break
 
     if lost.is_set():
+        # The work has stopped; the stream, if it is still open, says why within a moment.
+        stream_done.wait(1)
         print("lost: %s; stopped the work" % why.get("reason"), flush=True)
         return 3
     status, answer = sidecar.call("POST", "/v1/leases/%s/release" % lease_id)

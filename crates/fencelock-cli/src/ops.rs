@@ -180,9 +180,15 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 .map(|n| crate::json::string(n))
                 .collect();
             let record = record_json(&r);
-            // The record's object, with the nodes that did not release it (Redlock).
+            let ended: Vec<String> = r.ended_with.iter().map(record_json).collect();
+            // The record's object, with the nodes that did not release it (Redlock) and the
+            // leases that ended with the holder's session (PostgreSQL advisory locks).
             let body = record.strip_suffix('}').unwrap_or(&record);
-            outln!("{body},\"not_released_on\":[{}]}}", nodes.join(","));
+            outln!(
+                "{body},\"not_released_on\":[{}],\"ended_with\":[{}]}}",
+                nodes.join(","),
+                ended.join(",")
+            );
         }
         Some(r) => {
             outln!(
@@ -202,6 +208,22 @@ pub async fn release(args: ReleaseArgs) -> Result<u8> {
                 );
                 for n in &r.not_released_on {
                     eprintln!("  {}", shown(n));
+                }
+            }
+            if !r.ended_with.is_empty() {
+                outln!(
+                    "{}: the lock lived in another process's PostgreSQL session, which had to \
+                     end; {} more lease(s) ended with it, each recorded in the audit log:",
+                    shown(&r.resource),
+                    r.ended_with.len()
+                );
+                for e in &r.ended_with {
+                    outln!(
+                        "  {}: {}; fencing counter now {}",
+                        shown(&e.resource),
+                        e.holder,
+                        e.counter
+                    );
                 }
             }
         }

@@ -115,7 +115,6 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
     std::fs::write(&auth, format!("{token} ops *\n")).unwrap();
     let sc = Sidecar::start(dir.path(), &url, &["--auth-file", auth.to_str().unwrap()])
         .with_token(token);
-    let bearer = format!("Authorization: Bearer {token}");
     let (_driver, port) = chromedriver(dir.path());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -124,21 +123,12 @@ fn the_dashboard_shows_holders_frees_dead_ones_and_audits_forced_releases() {
     rt.block_on(async {
         let c = browser(port, &dir.path().join("profile")).await;
 
-        // An application (curl holding the event stream) holds a lock.
-        let lease = sc.acquire("nightly-invoices", 1500, 0);
-        let fencing = lease["token"].as_u64().unwrap().to_string();
-        let mut curl = BinCommand::new("curl");
-        curl.args([
-            "-sN",
-            "-H",
-            &bearer,
-            &sc.url(lease["events"].as_str().unwrap()),
-        ])
-        .output_to(dir.path().join("app.out"), dir.path().join("app.err"));
-        let app = curl.spawn().unwrap();
-        assert!(wait_until(Duration::from_secs(10), || app
+        // An application (the Python example: keep-alives and the event stream) holds a lock.
+        let app = sidecar::python_app(dir.path(), &sc, "nightly-invoices", 100_000, 1500, "app");
+        assert!(wait_until(Duration::from_secs(20), || app
             .stdout()
-            .contains("granted")));
+            .contains("write 0 accepted")));
+        let fencing = sidecar::granted_token(&app).unwrap().to_string();
 
         c.goto(&sc.url("/")).await.unwrap();
         let field = c

@@ -136,21 +136,23 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
     let dir = tempdir();
     let sc = Sidecar::start(dir.path(), &redis.url(), &[]);
     let ttl = Duration::from_millis(1500);
-    let lease = sc.acquire("crash", 1500, 0);
 
-    // The application is a real process holding the event stream: curl.
-    let id = lease["lease_id"].as_str().unwrap();
-    let mut curl = fencelock_testkit::BinCommand::new("curl");
-    curl.args(["-sN", &sc.url(&format!("/v1/leases/{id}/events"))])
-        .output_to(dir.path().join("curl.out"), dir.path().join("curl.err"));
-    let app = curl.spawn().unwrap();
-    assert!(wait_until(Duration::from_secs(10), || app
-        .stdout()
-        .contains("event: granted")));
-    // The stream keeps the lease past its TTL.
+    // The application is a real process: the Python example, with its keep-alives and its
+    // event stream.
+    let app = sidecar::python_app(dir.path(), &sc, "crash", 100_000, 1500, "crash");
+    assert!(
+        wait_until(Duration::from_secs(20), || app
+            .stdout()
+            .contains("write 1 accepted")),
+        "{}",
+        app.stderr()
+    );
+    let token = sidecar::granted_token(&app).unwrap();
+    // Its keep-alives keep the lease past its TTL.
     std::thread::sleep(ttl + Duration::from_millis(300));
-    assert!(sc.held("crash"), "held while the stream is open");
-    assert!(app.stdout().contains("event: renewed"), "{}", app.stdout());
+    assert!(sc.held("crash"), "held while the application lives");
+    let lock = sc.get("/v1/lock?name=crash").1;
+    assert!(lock["sidecar"]["renewals"].as_u64() > Some(0), "{lock}");
 
     kill(app.pid(), Signal::SIGKILL).unwrap();
     let killed = Instant::now();
@@ -160,7 +162,7 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
         killed.elapsed()
     );
     let next = sc.acquire("crash", 1500, 0);
-    assert!(next["token"].as_u64() > lease["token"].as_u64());
+    assert!(next["token"].as_u64().unwrap() > token);
     drop(app);
 
     // An application that sends keep-alives keeps its lease past the TTL, and loses it
@@ -192,12 +194,47 @@ fn a_killed_application_loses_its_lock_within_one_ttl() {
     sc.acquire("quiet", 1000, 0);
 }
 
+/// An open event stream kept a SIGSTOPped application's lease alive for ever: the kernel
+/// keeps a stopped process's connection open, so only keep-alives count as signs of life.
+#[test]
+fn a_stopped_application_with_an_open_stream_loses_its_lease_within_one_ttl() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let sc = Sidecar::start(dir.path(), &redis.url(), &[]);
+    let ttl = Duration::from_millis(1000);
+    let app = sidecar::python_app(dir.path(), &sc, "frozen", 100_000, 1000, "frozen");
+    assert!(
+        wait_until(Duration::from_secs(20), || app
+            .stdout()
+            .contains("write 3 accepted")),
+        "{}",
+        app.stderr()
+    );
+    let lock = sc.get("/v1/lock?name=frozen").1;
+    assert_eq!(lock["sidecar"]["streams"], 1, "the stream is open: {lock}");
+
+    kill(app.pid(), Signal::SIGSTOP).unwrap();
+    let stopped = Instant::now();
+    let (status, next) = sc.post(
+        "/v1/acquire",
+        json!({"resource": "frozen", "ttl_ms": 1000, "wait_ms": 10_000}),
+    );
+    let waited = stopped.elapsed();
+    kill(app.pid(), Signal::SIGKILL).unwrap();
+    assert_eq!(status, 200, "{next}");
+    assert!(
+        waited <= ttl + NOTICE,
+        "the stopped application kept its lease {waited:?} (TTL {ttl:?})"
+    );
+}
+
 #[test]
 fn a_forced_release_ends_the_stream_at_once_and_the_fence_refuses_the_old_token() {
     let dir = tempdir();
     let url = sqlite_url(dir.path());
     let sc = Sidecar::start(dir.path(), &url, &[]);
     let old = sc.acquire("ledger", 2000, 0);
+    let _alive = sc.keep_alive(&old);
     let events = sc.events(&old);
     next_event(&events, "granted", Duration::from_secs(5));
     let t_old = old["token"].as_u64().unwrap();
@@ -263,6 +300,7 @@ fn a_forced_release_ends_the_stream_at_once_and_the_fence_refuses_the_old_token(
     assert_eq!(audit["failed_backends"], json!([]), "{audit}");
 
     // A forced release from the command line reaches the stream at the next renewal.
+    let _alive = sc.keep_alive(&new);
     let events = sc.events(&new);
     next_event(&events, "granted", Duration::from_secs(5));
     let out = fencelock_in(
@@ -470,6 +508,67 @@ fn tokens_map_to_prefixes_and_the_file_is_reread_on_sighup() {
     assert_eq!(acquire(Some(rotated), "invoices/y").0, 200);
 }
 
+/// A token revoked by re-reading the auth file on SIGHUP left its open streams running and
+/// its leases renewed.
+#[test]
+fn revoking_a_token_on_sighup_ends_its_leases_and_their_streams() {
+    let dir = tempdir();
+    let auth = dir.path().join("auth");
+    let billing = "billing-token-0123456789abcdef";
+    let ops = "ops-token-0123456789abcdef0123";
+    std::fs::write(&auth, format!("{billing} billing billing/\n{ops} ops *\n")).unwrap();
+    let sc = Sidecar::start(
+        dir.path(),
+        &sqlite_url(dir.path()),
+        &["--auth-file", auth.to_str().unwrap()],
+    );
+    let acquire = |token: &str, name: &str, wait_ms: u64| {
+        sc.call_as(
+            Some(token),
+            "POST",
+            "/v1/acquire",
+            Some(json!({"resource": name, "ttl_ms": 10_000, "wait_ms": wait_ms})),
+        )
+    };
+    let held = |token: &str, name: &str| {
+        let (status, lease) = acquire(token, name, 0);
+        assert_eq!(status, 200, "{name}: {lease}");
+        let alive = sc.keep_alive_as(Some(token), &lease);
+        let events = sc.events_as(Some(token), &lease);
+        next_event(&events, "granted", Duration::from_secs(5));
+        (lease, alive, events)
+    };
+    // billing's token goes; ops keeps its token but loses every prefix but `jobs/`.
+    let (_, _a, revoked) = held(billing, "billing/a");
+    let (_, _b, narrowed) = held(ops, "other/b");
+    let (kept, _c, untouched) = held(ops, "jobs/c");
+    std::fs::write(&auth, format!("{ops} ops jobs/\n")).unwrap();
+    kill(sc.proc.pid(), Signal::SIGHUP).unwrap();
+
+    for (name, events) in [("billing/a", &revoked), ("other/b", &narrowed)] {
+        let lost = next_event(events, "lost", Duration::from_secs(2));
+        assert_eq!(lost["reason"], "revoked", "{name}: {lost}");
+    }
+    // Told (their streams closed after `lost`): released, so another client gets them now.
+    let admin = "admin-token-0123456789abcdef01";
+    std::fs::write(&auth, format!("{ops} ops jobs/\n{admin} admin *\n")).unwrap();
+    kill(sc.proc.pid(), Signal::SIGHUP).unwrap();
+    assert!(wait_until(Duration::from_secs(5), || sc
+        .proc
+        .stderr()
+        .matches("re-read")
+        .count()
+        == 2));
+    for name in ["billing/a", "other/b"] {
+        let (status, lease) = acquire(admin, name, 0);
+        assert_eq!(status, 200, "{name} was not released: {lease}");
+    }
+    // The lease the new file still allows is untouched.
+    assert!(untouched.recv_timeout(Duration::from_millis(300)).is_err());
+    let (_, lock) = sc.call_as(Some(ops), "GET", "/v1/lock?name=jobs/c", None);
+    assert_eq!(lock["holder"]["token"], kept["token"], "{lock}");
+}
+
 #[test]
 fn without_an_auth_file_only_loopback_is_served() {
     let dir = tempdir();
@@ -666,7 +765,7 @@ fn ureq_text(url: &str) -> String {
 }
 
 #[test]
-fn sigterm_reports_shutdown_to_streams_and_releases_every_lease() {
+fn sigterm_releases_the_leases_whose_application_was_told_and_leaves_the_others() {
     let dir = tempdir();
     let url = sqlite_url(dir.path());
     let mut sc = Sidecar::start(dir.path(), &url, &[]);
@@ -679,16 +778,165 @@ fn sigterm_reports_shutdown_to_streams_and_releases_every_lease() {
     assert_eq!(lost["reason"], "shutdown", "{lost}");
     let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
     assert_eq!(out.code(), Some(0), "{out:?}");
-    for name in ["streamed", "quiet"] {
-        let out = fencelock_in(dir.path(), name, &["inspect", "--backend", &url, name])
+    assert!(
+        out.stderr.contains("1 leases released") && out.stderr.contains("1 left held"),
+        "{}",
+        out.stderr
+    );
+    let inspect = |name: &str| {
+        fencelock_in(dir.path(), name, &["inspect", "--backend", &url, name])
             .run(Duration::from_secs(20))
-            .unwrap();
-        assert!(
-            out.stdout.contains("free"),
-            "{name} released at shutdown: {out:?}"
-        );
+            .unwrap()
+    };
+    // The streamed application read `lost` and closed its stream: told, so released.
+    let out = inspect("streamed");
+    assert!(out.stdout.contains("free"), "released at shutdown: {out:?}");
+    // The other one could not be told: held on the engine until its TTL ends.
+    let out = inspect("quiet");
+    assert!(
+        out.stdout.contains(&quiet["token"].to_string()),
+        "left held: {out:?}"
+    );
+}
+
+/// SIGTERM released a Dapr lock and a lease kept by keep-alives at once, while their
+/// applications, never told, went on working unlocked.
+#[test]
+fn sigterm_leaves_a_dapr_lock_and_a_keepalive_lease_held_until_their_expiry() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let mut sc = Sidecar::start(dir.path(), &redis.url(), &[]);
+    let expiry = Duration::from_secs(5);
+    let locked = Instant::now();
+    let (_, got) = sc.post(
+        "/v1.0-alpha1/lock/lockstore",
+        json!({"resourceId": "dapr-job", "lockOwner": "vader", "expiryInSeconds": 5}),
+    );
+    assert_eq!(got["success"], true, "{got}");
+    let quiet = sc.acquire("quiet-job", 5000, 0);
+    let alive = sc.keep_alive(&quiet);
+    std::thread::sleep(Duration::from_millis(300));
+
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    let stopped = Instant::now();
+    let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    drop(alive);
+
+    // Another client, through another sidecar: refused while the leases last.
+    let other = Sidecar::start(dir.path(), &redis.url(), &[]);
+    for name in ["dapr-job", "quiet-job"] {
+        let (status, refused) =
+            other.post("/v1/acquire", json!({"resource": name, "ttl_ms": 1000}));
+        assert_eq!(status, 409, "{name} was released at shutdown: {refused}");
     }
-    let _ = quiet;
+    // Granted once they have expired: the Dapr lock at its expiry, the other at the end of
+    // its last renewal's TTL (at most a third of a TTL before the signal).
+    let next = other.acquire("dapr-job", 1000, 10_000);
+    let held_for = locked.elapsed();
+    assert!(
+        held_for >= expiry - Duration::from_millis(100),
+        "the Dapr lock was held {held_for:?} of its {expiry:?}"
+    );
+    assert!(next["token"].as_u64() > got["fencingToken"].as_u64());
+    other.acquire("quiet-job", 1000, 10_000);
+    let after_signal = stopped.elapsed();
+    assert!(
+        after_signal >= Duration::from_millis(5000 * 2 / 3 - 100),
+        "the keep-alive lease was free {after_signal:?} after the signal"
+    );
+}
+
+/// Dapr unlock after a restart of the sidecar answered status 2: the new process did not
+/// know the lock its predecessor took for the same lockOwner.
+#[test]
+fn dapr_unlock_by_the_same_lock_owner_works_after_a_restart() {
+    let redis = RedisServer::start().unwrap();
+    let dir = tempdir();
+    let listen = format!("127.0.0.1:{}", fencelock_testkit::free_port());
+    let mut sc = Sidecar::start_on(dir.path(), &redis.url(), &listen, &[]);
+    let lock = |sc: &Sidecar, resource: &str, owner: &str| {
+        sc.post(
+            "/v1.0-alpha1/lock/lockstore",
+            json!({"resourceId": resource, "lockOwner": owner, "expiryInSeconds": 60}),
+        )
+        .1
+    };
+    let unlock = |sc: &Sidecar, owner: &str| {
+        sc.post(
+            "/v1.0-alpha1/unlock/lockstore",
+            json!({"resourceId": "lock1", "lockOwner": owner}),
+        )
+        .1
+    };
+    assert_eq!(lock(&sc, "lock1", "vader")["success"], true);
+    assert_eq!(lock(&sc, "lock2", "vader")["success"], true);
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    assert_eq!(
+        sc.proc.wait(Duration::from_secs(20)).unwrap().code(),
+        Some(0)
+    );
+
+    let sc = Sidecar::start_on(dir.path(), &redis.url(), &listen, &[]);
+    assert_eq!(unlock(&sc, "luke"), json!({"status": 2}), "another owner's");
+    assert_eq!(unlock(&sc, "vader"), json!({"status": 0}));
+    assert_eq!(
+        unlock(&sc, "vader"),
+        json!({"status": 1}),
+        "already released"
+    );
+    assert_eq!(
+        lock(&sc, "lock1", "luke")["success"],
+        true,
+        "free for the next"
+    );
+    assert_eq!(
+        lock(&sc, "lock2", "vader"),
+        json!({"success": false}),
+        "still held for vader, as Dapr's SET NX would say"
+    );
+}
+
+/// A sidecar on PostgreSQL advisory locks, whose locks end with its sessions, stays up after
+/// SIGTERM until the lease it could not hand back has expired, not releasing it by exiting.
+#[test]
+fn sigterm_on_session_locks_keeps_the_process_up_until_left_leases_expire() {
+    let pg = fencelock_testkit::PgServer::start().unwrap();
+    let dir = tempdir();
+    let mut sc = Sidecar::start(dir.path(), &pg.url(), &[]);
+    let quiet = sc.acquire("pg-quiet", 3000, 0);
+    let alive = sc.keep_alive(&quiet);
+    std::thread::sleep(Duration::from_millis(300));
+    kill(sc.proc.pid(), Signal::SIGTERM).unwrap();
+    let stopped = Instant::now();
+    drop(alive);
+    let inspect = || {
+        fencelock_in(
+            dir.path(),
+            "inspect",
+            &["inspect", "--backend", &pg.url(), "pg-quiet"],
+        )
+        .run(Duration::from_secs(20))
+        .unwrap()
+    };
+    assert!(wait_until(Duration::from_secs(10), || sc
+        .proc
+        .stderr()
+        .contains("keeping the process up")
+        || sc.proc.stderr().contains("stopped")));
+    let out = inspect();
+    assert!(
+        out.stdout.contains(&quiet["token"].to_string()),
+        "held after the signal: {out:?}"
+    );
+    let out = sc.proc.wait(Duration::from_secs(20)).unwrap();
+    let lived = stopped.elapsed();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    assert!(
+        lived >= Duration::from_millis(3000 * 2 / 3 - 100),
+        "exited {lived:?} after the signal"
+    );
+    assert!(inspect().stdout.contains("free"));
 }
 
 fn example(name: &str) -> String {
@@ -831,4 +1079,105 @@ fn the_fence_endpoint_on_postgres_and_locks_on_postgres() {
     // The fence's table is the library's PgFence one, readable with psql.
     let out = pg.psql("select count(*) from fencelock_fence").unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1", "{out:?}");
+}
+
+/// Fails if a `lost` event comes on `events` within `limit` (other events are skipped).
+fn no_loss(name: &str, events: &std::sync::mpsc::Receiver<(String, Value)>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        let got = events.recv_timeout(left);
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = got {
+            return;
+        }
+        assert!(got.is_ok(), "{name}: the stream ended");
+        let (event, data) = got.unwrap();
+        assert_ne!(event, "lost", "{name}: {data}");
+    }
+}
+
+/// A forced release through a sidecar on PostgreSQL advisory locks terminated the session
+/// holding many applications' leases: three unrelated leases ended with it, and the forced
+/// one reported `expired`.
+#[test]
+fn a_forced_release_on_postgres_advisory_ends_only_the_named_lease() {
+    let pg = fencelock_testkit::PgServer::start().unwrap();
+    let dir = tempdir();
+    // One session for every lease, as many applications share few sessions.
+    let url = format!("{}?pool=2", pg.url());
+    let sc = Sidecar::start(dir.path(), &url, &[]);
+    let apps: Vec<_> = ["pg/a", "pg/b", "pg/c", "pg/d"]
+        .iter()
+        .map(|name| {
+            let lease = sc.acquire(name, 10_000, 0);
+            let alive = sc.keep_alive(&lease);
+            let events = sc.events(&lease);
+            next_event(&events, "granted", Duration::from_secs(5));
+            (*name, lease, alive, events)
+        })
+        .collect();
+
+    let (status, done) = sc.post(
+        "/v1/force-release",
+        json!({"resource": "pg/a", "reason": "stuck", "holder_is_dead": true}),
+    );
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["record"]["holder"]["token"], apps[0].1["token"]);
+    assert!(
+        done.get("ended_with").is_none(),
+        "nothing else ended: {done}"
+    );
+    let lost = next_event(&apps[0].3, "lost", Duration::from_secs(2));
+    assert_eq!(lost["reason"], "force_released", "{lost}");
+    for (name, lease, _, events) in &apps[1..] {
+        no_loss(name, events, Duration::from_secs(1));
+        let (_, lock) = sc.get(&format!("/v1/lock?name={name}"));
+        assert_eq!(lock["holder"]["token"], lease["token"], "{name}: {lock}");
+    }
+    let next = sc.acquire("pg/a", 10_000, 0);
+    assert!(next["token"].as_u64() > done["record"]["counter"].as_u64());
+    sc.release(&next);
+
+    // From another process, ending the sidecar's session is the only way: every lease that
+    // goes with it is named and recorded, and the sidecar's streams say so at once.
+    let out = fencelock_in(
+        dir.path(),
+        "force",
+        &[
+            "release",
+            "--backend",
+            &url,
+            "--force",
+            "--reason",
+            "cli",
+            "--holder-is-dead",
+            "pg/b",
+        ],
+    )
+    .run(Duration::from_secs(30))
+    .unwrap();
+    assert_eq!(out.code(), Some(0), "{out:?}");
+    for name in ["pg/c", "pg/d"] {
+        assert!(
+            out.stdout.contains(name),
+            "{name} not named: {}",
+            out.stdout
+        );
+    }
+    for (name, _, _, events) in &apps[1..] {
+        let lost = next_event(events, "lost", Duration::from_secs(2));
+        assert_eq!(lost["reason"], "not_holder", "{name}: {lost}");
+    }
+    let (_, audit) = sc.get("/v1/audit");
+    let recorded: Vec<&str> = audit["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["resource"].as_str().unwrap())
+        .collect();
+    for name in ["pg/a", "pg/b", "pg/c", "pg/d"] {
+        assert!(
+            recorded.contains(&name),
+            "{name} not in the audit log: {audit}"
+        );
+    }
 }

@@ -360,15 +360,69 @@ async fn release_wakes_waiters_in_both_modes() {
     }
 }
 
-/// A forced release can take an advisory lock from its holder only by ending the holder's
-/// session: the holder learns of the loss at once, long before its next renewal against a 30 s
-/// TTL (10 s away) could tell it.
+/// A forced release can take an advisory lock from another process only by ending the
+/// holder's session: the holder learns of the loss at once, long before its next renewal
+/// against a 30 s TTL (10 s away) could tell it, and every other lease of that session, which
+/// ends too, is named and recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_release_ends_the_advisory_holders_session_at_once() {
     let server = PgServer::start().unwrap();
-    let c = client(&server.url()).await;
+    // One session holds every lease of `c`.
+    let c = client(&format!("{}?pool=2", server.url())).await;
+    let ops = client(&server.url()).await;
     let opts = LockOptions::default().ttl(Duration::from_secs(30));
     let lease = c.try_acquire("stuck", &opts).await.unwrap();
+    let mut beside = Vec::new();
+    for name in ["a", "b", "c"] {
+        beside.push(c.try_acquire(name, &opts).await.unwrap());
+    }
+    let request = fencelock::ForceRelease::new("test").holder_is_dead(true);
+    let record = ops
+        .force_release("stuck", &request)
+        .await
+        .unwrap()
+        .expect("released");
+    assert_eq!(record.holder.owner, lease.owner());
+    timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
+    let ended: Vec<(&str, &str)> = record
+        .ended_with
+        .iter()
+        .map(|r| (r.resource.as_str(), r.holder.owner.as_str()))
+        .collect();
+    let expected: Vec<(&str, &str)> = beside.iter().map(|l| (l.resource(), l.owner())).collect();
+    assert_eq!(
+        ended, expected,
+        "every lease that ended with the session is named"
+    );
+    for l in &beside {
+        timeout(Duration::from_secs(5), l.lost()).await.unwrap();
+    }
+    let audit = ops.audit(None).await.unwrap();
+    for r in &record.ended_with {
+        assert!(audit.iter().any(|a| a.id == r.id), "{r:?} not recorded");
+        assert!(r.counter > r.holder.token.unwrap());
+    }
+    let next = c.try_acquire("stuck", &opts).await.unwrap();
+    assert!(next.token() > record.counter);
+    next.release().await.unwrap();
+}
+
+/// A forced release of a lock held on the releasing client's own session terminated that
+/// session, ending every other lease on it: it now unlocks the one key there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_on_the_clients_own_session_ends_that_lease_alone() {
+    let server = PgServer::start().unwrap();
+    let c = client(&format!("{}?pool=2", server.url())).await;
+    let opts = LockOptions::default().ttl(Duration::from_secs(30));
+    let lease = c.try_acquire("stuck", &opts).await.unwrap();
+    let others: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|n| c.try_acquire(n, &opts))
+        .collect();
+    let mut beside = Vec::new();
+    for o in others {
+        beside.push(o.await.unwrap());
+    }
     let request = fencelock::ForceRelease::new("test").holder_is_dead(true);
     let record = c
         .force_release("stuck", &request)
@@ -376,10 +430,20 @@ async fn a_forced_release_ends_the_advisory_holders_session_at_once() {
         .unwrap()
         .expect("released");
     assert_eq!(record.holder.owner, lease.owner());
+    assert!(record.ended_with.is_empty(), "{record:?}");
     timeout(Duration::from_secs(5), lease.lost()).await.unwrap();
-    let next = c.try_acquire("stuck", &opts).await.unwrap();
+    let next = client(&server.url())
+        .await
+        .try_acquire("stuck", &opts)
+        .await
+        .unwrap();
     assert!(next.token() > record.counter);
-    next.release().await.unwrap();
+    for l in &beside {
+        assert!(!l.is_lost(), "{} ended with it", l.resource());
+        let holder = c.inspect(l.resource()).await.unwrap().unwrap();
+        assert_eq!(holder.owner, l.owner());
+        l.extend().await.unwrap();
+    }
 }
 
 /// Advisory locks never expire on the server; a lease dropped without release is unlocked by

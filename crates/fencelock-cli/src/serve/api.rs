@@ -42,8 +42,8 @@ pub struct AcquireRequest {
     /// Resource name: 1 to 256 bytes, no control characters, bidirectional controls or
     /// invisible spaces.
     pub resource: String,
-    /// Lease TTL in milliseconds (at least 100). Default 30000. The application must keep an
-    /// event stream open, or send a keep-alive within every TTL, or the lease is released.
+    /// Lease TTL in milliseconds (at least 100). Default 30000. The application must send a
+    /// keep-alive within every TTL (every TTL/3 is safe), or the lease is released.
     #[serde(default = "default_ttl")]
     #[schema(default = 30000, minimum = 100)]
     pub ttl_ms: u64,
@@ -78,15 +78,14 @@ pub struct LeaseView {
     pub ttl_ms: u64,
     /// Time left in the validity window when this answer was made.
     pub valid_for_ms: u64,
-    /// Time left before the lease is released unless a keep-alive arrives or an event
-    /// stream is open.
+    /// Time left before the lease is released unless a keep-alive arrives.
     pub keepalive_within_ms: u64,
     /// Open event streams.
     pub streams: usize,
     /// Confirmed renewals.
     pub renewals: u64,
     /// Set once the lease has ended (`released`, `expired`, `not_holder`, `force_released`,
-    /// `application_gone`, `shutdown`).
+    /// `application_gone`, `revoked`, `shutdown`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = String, required = false)]
     pub ended: Option<&'static str>,
@@ -228,16 +227,22 @@ pub fn shutting_down() -> ApiError {
     )
 }
 
-/// The lease `id` if this principal took it.
+/// The lease `id` if this principal took it, and may still use its name.
 fn own_lease(app: &AppState, who: &Principal, id: &str) -> Result<Arc<Held>, ApiError> {
-    app.registry
+    let held = app
+        .registry
         .get(id)
         .filter(|h| h.principal == who.client)
         .ok_or_else(|| {
             ApiError::not_found(format!(
                 "no lease {id:?} held by this sidecar for this client; it ended or never existed"
             ))
-        })
+        })?;
+    if who.may(&held.resource) {
+        Ok(held)
+    } else {
+        Err(ApiError::forbidden(&held.resource))
+    }
 }
 
 fn gone(h: &Held, snap: &Snapshot) -> ApiError {
@@ -345,8 +350,8 @@ pub async fn release(
 }
 
 /// The lease's events, as Server-Sent Events: `granted` first, `renewed` after each
-/// confirmed renewal, and `lost` with the reason, after which the stream closes. While the
-/// stream is open the application counts as alive.
+/// confirmed renewal, and `lost` with the reason, after which the stream closes. The stream
+/// does not keep the lease alive: keep-alives do.
 #[utoipa::path(get, path = "/v1/leases/{lease_id}/events", tag = TAG,
     params(("lease_id" = String, Path, description = "The lease id from acquire")),
     responses((status = 200, description = "text/event-stream: events `granted`, `renewed`, `lost` with JSON data", content_type = "text/event-stream", body = String),
@@ -396,7 +401,10 @@ pub async fn events(
                     return;
                 }
             }
-            if snap.ended.is_some() {
+            if let Some(end) = &snap.ended {
+                if super::leases::awaits_close(end.reason) {
+                    await_close(&tx).await;
+                }
                 return;
             }
             tokio::select! {
@@ -407,11 +415,29 @@ pub async fn events(
         }
     });
     // Heartbeats find a connection whose application died (its kernel closed it) at the next
-    // write, well within the TTL.
+    // write, so that the stream count the runbook shows stays true.
     let beat = (held.ttl / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(beat))
         .into_response())
+}
+
+/// Holds a stream that reported a lease handed back until the application closes it (its
+/// proof of having been told) or the keeper stops waiting. Comments are written meanwhile: a
+/// connection its peer closed is noticed only when a write fails.
+async fn await_close(tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>) {
+    let until = tokio::time::Instant::now() + super::leases::TOLD_WITHIN;
+    let mut ping = tokio::time::interval(Duration::from_millis(50));
+    while tokio::time::Instant::now() < until {
+        tokio::select! {
+            () = tx.closed() => return,
+            _ = ping.tick() => {
+                if tx.send(Ok(Event::default().comment(""))).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn json_event(name: &str, data: serde_json::Value) -> Event {
@@ -623,6 +649,11 @@ pub struct ForceReleased {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = AuditView, required = false)]
     pub record: Option<AuditView>,
+    /// The other leases that ended with it (PostgreSQL advisory locks held in another
+    /// process's session, which had to end), each with its own audit record.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(required = false)]
+    pub ended_with: Vec<AuditView>,
 }
 
 /// Forces the release of a stuck lock, with the CLI's rules: refused (409 `holder_alive`)
@@ -652,24 +683,37 @@ pub async fn force_release(
     let request = ForceRelease::new(&req.reason)
         .user(user)
         .holder_is_dead(req.holder_is_dead);
-    match app.client.force_release(&req.resource, &request).await {
+    // Until it is answered, a loss of this sidecar's lease on the name is the forced release's
+    // doing: the engine may report it before the answer comes.
+    let forcing = app.registry.forcing(&req.resource);
+    let outcome = app.client.force_release(&req.resource, &request).await;
+    match outcome {
         Ok(Some(record)) => {
-            for held in app.registry.on_resource(&req.resource) {
-                if held.owner == record.holder.owner {
-                    held.send(Cmd::Forced(format!("force-released: {}", req.reason)))
-                        .await;
+            for r in std::iter::once(&record).chain(&record.ended_with) {
+                for held in app.registry.on_resource(&r.resource) {
+                    if held.owner == r.holder.owner {
+                        let why = if r.resource == req.resource {
+                            format!("force-released: {}", req.reason)
+                        } else {
+                            r.reason.clone()
+                        };
+                        held.send(Cmd::Forced(why)).await;
+                    }
                 }
             }
+            drop(forcing);
             Ok(Json(ForceReleased {
                 released: true,
                 resource: req.resource,
                 record: Some(AuditView::of(&record)),
+                ended_with: record.ended_with.iter().map(AuditView::of).collect(),
             }))
         }
         Ok(None) => Ok(Json(ForceReleased {
             released: false,
             resource: req.resource,
             record: None,
+            ended_with: Vec::new(),
         })),
         Err(e) if e.kind() == ErrorKind::HeldByAnother => {
             let mut err = ApiError::from_lib(&e, "resource");

@@ -122,6 +122,21 @@ impl AuthFile {
     }
 }
 
+impl AuthFile {
+    /// Whether the file, as last read, still lets the client named `client` use `name`: the
+    /// test a lease taken before a reload must pass to live on.
+    pub fn allows(&self, client: &str, name: &str) -> bool {
+        let entries = self
+            .entries
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        entries
+            .iter()
+            .any(|e| e.principal.client == client && e.principal.may(name))
+    }
+}
+
 fn parse_file(path: &Path) -> Result<Vec<Entry>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the auth file {}: {e}", path.display()))?;

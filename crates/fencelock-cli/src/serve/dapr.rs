@@ -5,7 +5,9 @@
 //! As in Dapr, the lock is one attempt (no waiting), identified by the application's own
 //! `lockOwner`, held for `expiryInSeconds` without renewal. The store name is accepted
 //! whatever it is; `resourceId` is the fencelock resource name, so the same lock can be taken
-//! with the CLI or the native API.
+//! with the CLI or the native API. The engine's owner value is derived from the `lockOwner`
+//! ([`Registry::dapr_owner`](super::leases::Registry::dapr_owner)), so that unlock works
+//! after a restart of the sidecar, as it does with Dapr's stores.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -181,7 +183,7 @@ fn refusal(who: &Principal, resource: &str, owner: &str) -> Option<Response> {
 pub async fn lock(
     State(app): State<Arc<AppState>>,
     Extension(who): Extension<Principal>,
-    Path(_store): Path<String>,
+    Path(store): Path<String>,
     DaprBody(req): DaprBody<TryLockRequest>,
 ) -> Response {
     if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
@@ -190,18 +192,40 @@ pub async fn lock(
     let Some(secs) = u64::try_from(req.expiry_in_seconds).ok().filter(|s| *s > 0) else {
         return malformed("expiryInSeconds must be a positive number of seconds");
     };
-    // One owner name takes the lock once, as in Dapr.
-    if app.registry.on_resource(&req.resource_id).iter().any(|h| {
-        h.mode
-            == (Mode::Dapr {
-                lock_owner: req.lock_owner.clone(),
-            })
-    }) {
-        return Json(TryLockResponse {
+    let refused = || {
+        Json(TryLockResponse {
             success: false,
             fencing_token: None,
         })
-        .into_response();
+        .into_response()
+    };
+    let owner = app
+        .registry
+        .dapr_owner(&who.client, &store, &req.resource_id, &req.lock_owner);
+    // One owner name takes the lock once, as in Dapr: not twice at once, not again while this
+    // process holds it, nor while a lock an earlier process of this sidecar took for it lasts
+    // (the engine would grant it again to the same owner value).
+    let Some(_claim) = app.registry.claim(&owner) else {
+        return refused();
+    };
+    if app
+        .registry
+        .on_resource(&req.resource_id)
+        .iter()
+        .any(|h| h.owner == owner)
+    {
+        return refused();
+    }
+    match app.client.inspect(&req.resource_id).await {
+        Ok(Some(h)) if h.owner == owner => return refused(),
+        Ok(_) => {}
+        Err(e) => {
+            return dapr_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "ERR_TRY_LOCK",
+                e.to_string(),
+            )
+        }
     }
     let client = if who.client.is_empty() {
         req.lock_owner.clone()
@@ -211,6 +235,7 @@ pub async fn lock(
     let opts = LockOptions::default()
         .ttl(Duration::from_secs(secs))
         .auto_renew(false)
+        .owner(owner)
         .client_name(client.clone());
     match app.client.try_acquire(&req.resource_id, &opts).await {
         Ok(lease) => {
@@ -256,21 +281,21 @@ pub async fn lock(
 pub async fn unlock(
     State(app): State<Arc<AppState>>,
     Extension(who): Extension<Principal>,
-    Path(_store): Path<String>,
+    Path(store): Path<String>,
     DaprBody(req): DaprBody<UnlockRequest>,
 ) -> Response {
     if let Some(r) = refusal(&who, &req.resource_id, &req.lock_owner) {
         return r;
     }
     let status = |status| Json(UnlockResponse { status }).into_response();
-    let mine = Mode::Dapr {
-        lock_owner: req.lock_owner.clone(),
-    };
+    let owner = app
+        .registry
+        .dapr_owner(&who.client, &store, &req.resource_id, &req.lock_owner);
     if let Some(held) = app
         .registry
         .on_resource(&req.resource_id)
         .into_iter()
-        .find(|h| h.mode == mine && h.principal == who.client)
+        .find(|h| h.owner == owner)
     {
         let (tx, rx) = oneshot::channel();
         if held.send(Cmd::Release(tx)).await {
@@ -281,8 +306,23 @@ pub async fn unlock(
             };
         }
     }
+    // Not held by this process: perhaps by an earlier process of this sidecar, under the
+    // same derived owner value, which the release checks on the engine.
     match app.client.inspect(&req.resource_id).await {
         Ok(None) => status(1),
+        Ok(Some(h)) if h.owner == owner => {
+            match app.client.release_owner(&req.resource_id, &owner).await {
+                Ok(true) => status(0),
+                // Expired meanwhile (1), or it lives in the session of the process that took
+                // it (etcd, ZooKeeper), which no other process can release (3).
+                Ok(false) => match app.client.inspect(&req.resource_id).await {
+                    Ok(Some(h)) if h.owner == owner => status(3),
+                    Ok(_) => status(1),
+                    Err(_) => status(3),
+                },
+                Err(_) => status(3),
+            }
+        }
         Ok(Some(_)) => status(2),
         Err(_) => status(3),
     }

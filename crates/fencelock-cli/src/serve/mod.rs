@@ -261,7 +261,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
     let local = listener.local_addr().map_err(|e| usage(e.to_string()))?;
     let state = Arc::new(AppState {
         client: client.clone(),
-        registry: Arc::new(leases::Registry::default()),
+        registry: Arc::new(leases::Registry::new(identity(local))),
         auth,
         fence,
         metrics,
@@ -274,12 +274,12 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
         client.engine()
     );
 
-    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let (stopping, stopped) = tokio::sync::watch::channel(0u8);
     tokio::spawn(signals(state.clone(), stopping));
     let router = app(state.clone(), served);
     let mut on_signal = stopped.clone();
     let stop = async move {
-        let _ = on_signal.wait_for(|s| *s).await;
+        let _ = on_signal.wait_for(|n| *n > 0).await;
     };
     let served = async {
         match tls {
@@ -297,13 +297,13 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
                 .map_err(fail_io),
         }
     };
-    // The server stops accepting at the signal; the leases are reported `lost` and released
-    // meanwhile, which ends their streams; connections still open after that (a long acquire
+    // The server stops accepting at the signal; the leases are handed back meanwhile (see
+    // `leases`), which ends their streams; connections still open after that (a long acquire
     // wait) are not waited for beyond a bound.
     let registry = state.registry.clone();
-    let mut after_signal = stopped;
+    let mut after_signal = stopped.clone();
     let bound = async move {
-        let _ = after_signal.wait_for(|s| *s).await;
+        let _ = after_signal.wait_for(|n| *n > 0).await;
         state.registry.shut_down(SHUTDOWN_LIMIT).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
     };
@@ -312,15 +312,42 @@ pub async fn serve(args: ServeArgs) -> Result<u8> {
         out = &mut served => out,
         () = bound => Ok(()),
     };
-    // Whichever finished first, every lease is released before the process exits.
-    registry.shut_down(SHUTDOWN_LIMIT).await;
+    // Whichever finished first, every lease is handed back before the process exits.
+    let done = registry.shut_down(SHUTDOWN_LIMIT).await;
+    if let Some(until) = done.hold_until.filter(|u| *u > tokio::time::Instant::now()) {
+        // Their locks live in this process's sessions: exiting now would free them before
+        // their applications' validity ends.
+        eprintln!(
+            "fencelock: keeping the process up {} until the leases left to expire have; \
+             a second SIGTERM or SIGINT exits now, which frees them on the engine at once",
+            crate::human_duration(until.saturating_duration_since(tokio::time::Instant::now()))
+        );
+        let mut again = stopped;
+        tokio::select! {
+            () = tokio::time::sleep_until(until) => {}
+            _ = again.wait_for(|n| *n > 1) => {}
+        }
+    }
     client.close().await;
     outcome?;
-    eprintln!("fencelock: stopped; every lease released");
+    eprintln!(
+        "fencelock: stopped; {} leases released after their applications were told, {} left \
+         held on the engine until their validity ends",
+        done.released, done.left
+    );
     Ok(0)
 }
 
-/// How long a shutdown waits for the leases' releases.
+/// What tells this sidecar from others for the owner values of Dapr locks: its host and the
+/// address it listens on, which a restart on the same `--listen` address keeps.
+fn identity(local: SocketAddr) -> String {
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{host} {local}")
+}
+
+/// How long a shutdown waits for the leases to be handed back.
 const SHUTDOWN_LIMIT: Duration = Duration::from_secs(10);
 
 fn fail_io(e: std::io::Error) -> anyhow::Error {
@@ -328,35 +355,55 @@ fn fail_io(e: std::io::Error) -> anyhow::Error {
     Exit(exit::UNAVAILABLE).into()
 }
 
-/// Sets `stopping` on SIGTERM or SIGINT; re-reads the auth file on SIGHUP.
-async fn signals(state: Arc<AppState>, stopping: tokio::sync::watch::Sender<bool>) {
+/// Counts SIGTERM and SIGINT in `stopping` (the first stops the server, a second ends the wait
+/// for leases left to expire); re-reads the auth file on SIGHUP.
+async fn signals(state: Arc<AppState>, stopping: tokio::sync::watch::Sender<u8>) {
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
         signal(SignalKind::hangup()),
     ) else {
         eprintln!(
-            "fencelock: cannot install the signal handlers; SIGTERM will not release the leases"
+            "fencelock: cannot install the signal handlers; SIGTERM will not hand the leases back"
         );
         return;
     };
     loop {
-        tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
+        let stop = tokio::select! {
+            _ = term.recv() => true,
+            _ = int.recv() => true,
             _ = hup.recv() => {
                 if let Some(auth) = &state.auth {
                     match auth.reload() {
-                        Ok(n) => eprintln!("fencelock: re-read {} ({n} clients)", auth.path().display()),
+                        Ok(n) => {
+                            let revoked = state.registry.revoke(|h| {
+                                (!auth.allows(&h.principal, &h.resource)).then(|| format!(
+                                    "the auth file no longer lets client {:?} use {:?}",
+                                    h.principal, h.resource
+                                ))
+                            }).await;
+                            eprintln!(
+                                "fencelock: re-read {} ({n} clients; {revoked} leases revoked)",
+                                auth.path().display()
+                            );
+                        }
                         Err(e) => eprintln!("fencelock: {e}; keeping the previous auth file"),
                     }
                 }
+                false
             }
+        };
+        if !stop {
+            continue;
         }
+        if *stopping.borrow() == 0 {
+            eprintln!(
+                "fencelock: stopping: telling the applications of {} leases; a lease is \
+                 released once its application has closed its event stream after the notice, \
+                 and left to expire otherwise",
+                state.registry.all().len()
+            );
+        }
+        stopping.send_modify(|n| *n = n.saturating_add(1));
     }
-    eprintln!(
-        "fencelock: stopping: reporting the shutdown to {} leases and releasing them",
-        state.registry.all().len()
-    );
-    let _ = stopping.send(true);
 }

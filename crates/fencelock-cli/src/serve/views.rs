@@ -137,7 +137,7 @@ pub struct SidecarLeaseView {
     pub streams: usize,
     /// Renewals the watchdog confirmed.
     pub renewals: u64,
-    /// `app` (event stream or keep-alives) or `dapr` (held for its TTL, not renewed).
+    /// `app` (kept by keep-alives) or `dapr` (held for its TTL, not renewed).
     pub mode: &'static str,
 }
 

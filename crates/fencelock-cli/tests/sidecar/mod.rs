@@ -44,15 +44,24 @@ impl Sidecar {
     /// Starts `fencelock serve --backend URL --listen 127.0.0.1:0 EXTRA...` and waits until it
     /// says where it listens.
     pub fn start(dir: &Path, url: &str, extra: &[&str]) -> Sidecar {
+        Sidecar::start_on(dir, url, "127.0.0.1:0", extra)
+    }
+
+    /// [`Sidecar::start`] listening on `listen`.
+    pub fn start_on(dir: &Path, url: &str, listen: &str, extra: &[&str]) -> Sidecar {
         let mut args = vec!["--backend", url];
         args.extend_from_slice(extra);
-        Sidecar::start_with(dir, &args)
+        Sidecar::launch(dir, listen, &args)
     }
 
     /// Starts `fencelock serve --listen 127.0.0.1:0 ARGS...` (a `--backend` or `--config`
     /// among them) and waits until it says where it listens.
     pub fn start_with(dir: &Path, extra: &[&str]) -> Sidecar {
-        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        Sidecar::launch(dir, "127.0.0.1:0", extra)
+    }
+
+    fn launch(dir: &Path, listen: &str, extra: &[&str]) -> Sidecar {
+        let mut args = vec!["serve", "--listen", listen];
         args.extend_from_slice(extra);
         let name = format!("serve-{}", fencelock_testkit::free_port());
         let proc = fencelock_in(dir, &name, &args).spawn().unwrap();
@@ -249,12 +258,17 @@ impl Sidecar {
     /// Opens the lease's event stream; its events arrive on the returned channel as
     /// `(event name, data)`, the channel closing with the stream.
     pub fn events(&self, lease: &Value) -> mpsc::Receiver<(String, Value)> {
+        self.events_as(self.token.as_deref(), lease)
+    }
+
+    /// [`Sidecar::events`] with the bearer token `token`.
+    pub fn events_as(&self, token: Option<&str>, lease: &Value) -> mpsc::Receiver<(String, Value)> {
         let url = self.url(&format!(
             "/v1/leases/{}/events",
             lease["lease_id"].as_str().unwrap()
         ));
         let mut req = agent().get(&url);
-        if let Some(t) = &self.token {
+        if let Some(t) = token {
             req = req.header("Authorization", format!("Bearer {t}"));
         }
         let resp = req.call().unwrap();
@@ -269,7 +283,10 @@ impl Sidecar {
                     name = n.to_owned();
                 } else if let Some(d) = line.strip_prefix("data: ") {
                     let data = serde_json::from_str(d).unwrap_or(Value::Null);
-                    if tx.send((std::mem::take(&mut name), data)).is_err() {
+                    let lost = name == "lost";
+                    if tx.send((std::mem::take(&mut name), data)).is_err() || lost {
+                        // Closed once `lost` is read, as an application does: the sidecar
+                        // takes the closing as its proof the application was told.
                         return;
                     }
                 }
@@ -329,4 +346,111 @@ fn dechunk(mut rest: &[u8]) -> Vec<u8> {
         rest = after[n..].strip_prefix(b"\r\n").unwrap_or(&after[n..]);
     }
     out
+}
+
+/// The example Python client (`examples/sidecar/client.py`) as a real application process:
+/// it takes `resource` through the sidecar at `base`, keeps it alive, holds its event stream
+/// and writes every 0.1 s for `steps` steps. Its output goes to `dir/NAME.{out,err}`.
+pub fn python_app(
+    dir: &Path,
+    sc: &Sidecar,
+    resource: &str,
+    steps: u32,
+    ttl_ms: u64,
+    name: &str,
+) -> Proc {
+    let script = format!(
+        "{}/../../examples/sidecar/client.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut cmd = BinCommand::new("python3");
+    cmd.args([
+        script.as_str(),
+        "--sidecar",
+        &sc.base,
+        "--resource",
+        resource,
+        "--steps",
+        &steps.to_string(),
+        "--step-seconds",
+        "0.1",
+        "--ttl-ms",
+        &ttl_ms.to_string(),
+    ])
+    .output_to(
+        dir.join(format!("{name}.out")),
+        dir.join(format!("{name}.err")),
+    );
+    if let Some(token) = &sc.token {
+        cmd.env("FENCELOCK_SIDECAR_TOKEN", token);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// The fencing token an application process printed (`granted RESOURCE token N`), once it has.
+pub fn granted_token(app: &Proc) -> Option<u64> {
+    app.stdout()
+        .lines()
+        .find_map(|l| {
+            l.split_once(" token ")
+                .filter(|(g, _)| g.starts_with("granted "))
+        })
+        .and_then(|(_, t)| t.trim().parse().ok())
+}
+
+/// Keep-alives for a lease every third of its TTL, sent from a thread until dropped: the
+/// test standing in for a live application.
+pub struct KeepAlive {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Sidecar {
+    /// Sends keep-alives for `lease` until the guard is dropped or the lease has ended.
+    pub fn keep_alive(&self, lease: &Value) -> KeepAlive {
+        self.keep_alive_as(self.token.as_deref(), lease)
+    }
+
+    /// [`Sidecar::keep_alive`] with the bearer token `token`.
+    pub fn keep_alive_as(&self, token: Option<&str>, lease: &Value) -> KeepAlive {
+        let url = self.url(&format!(
+            "/v1/leases/{}/keepalive",
+            lease["lease_id"].as_str().unwrap()
+        ));
+        let every = Duration::from_millis(lease["ttl_ms"].as_u64().unwrap() / 3);
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let agent = agent();
+            let mut next = Instant::now();
+            while !stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                if Instant::now() >= next {
+                    let mut req = agent.post(&url).header("Content-Type", "application/json");
+                    if let Some(a) = &auth {
+                        req = req.header("Authorization", a);
+                    }
+                    match req.send("") {
+                        Ok(r) if r.status().as_u16() == 200 => {}
+                        _ => return,
+                    }
+                    next = Instant::now() + every;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        KeepAlive {
+            stop,
+            thread: Some(thread),
+        }
+    }
 }

@@ -163,7 +163,9 @@ impl ClientInner {
         }
         let req = AcquireRequest {
             name: name.to_owned(),
-            owner: format!("{:032x}", rand::random::<u128>()),
+            owner: opts
+                .owner_value()
+                .map_or_else(|| format!("{:032x}", rand::random::<u128>()), str::to_owned),
             ttl,
             // Engines without elections of their own keep the campaign value with the holder,
             // as its client name (see `election`).

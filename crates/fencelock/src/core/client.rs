@@ -57,6 +57,8 @@ pub(crate) struct ClientInner {
     pub(crate) next_id: AtomicU64,
     /// A dropped lease is released, not left to expire ([`Opened::release_abandoned`]).
     pub(crate) release_abandoned: bool,
+    /// [`Opened::ends_with_process`].
+    pub(crate) ends_with_process: bool,
 }
 
 /// Builds a [`Client`]: the backend URL plus optional settings.
@@ -191,6 +193,7 @@ impl ClientBuilder {
             elections,
             losses,
             release_abandoned,
+            ends_with_process,
         } = opened;
         let calls = Calls {
             engine: engine.kind(),
@@ -218,6 +221,7 @@ impl ClientBuilder {
             cleanup,
             next_id: AtomicU64::new(1),
             release_abandoned,
+            ends_with_process,
         })
     }
 }
@@ -397,6 +401,27 @@ impl Client {
     pub async fn inspect(&self, name: &str) -> Result<Option<Holder>> {
         validate_name(name)?;
         self.on(name).await?.inspect(name).await
+    }
+
+    /// Owner-checked release of the grant `owner` holds on `name`, without its [`Lease`]: for
+    /// a holder that acquired with a known owner value ([`LockOptions::owner`]) and lost its
+    /// lease object, to a restart typically. `Ok(true)` when that owner held the lock and it is
+    /// released (waiters are woken), `Ok(false)` when it did not hold it.
+    ///
+    /// Where the lock lives in the session of the process that took it (PostgreSQL advisory
+    /// locks, etcd sessions, ZooKeeper's ephemeral nodes), only that process's client can
+    /// release it; another finds nothing to release (`Ok(false)`), and the lock ends with
+    /// that session.
+    ///
+    /// [`Lease`]: crate::Lease
+    /// [`LockOptions::owner`]: crate::LockOptions::owner
+    pub async fn release_owner(&self, name: &str, owner: &str) -> Result<bool> {
+        validate_name(name)?;
+        let inner = self.on(name).await?;
+        inner
+            .release_owner(name, owner)
+            .await
+            .map_err(|e| inner.calls.named(e))
     }
 
     /// Waits for background clean-up (releases of cancelled acquisitions and of leases lost

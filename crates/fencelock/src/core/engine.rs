@@ -217,6 +217,9 @@ pub(crate) struct Opened {
     /// (one etcd session serves them all), not for its TTL: the client then releases every
     /// lease it drops or declares lost, instead of letting it expire.
     pub release_abandoned: bool,
+    /// The engine ends this client's leases when the process exits (they live in its database
+    /// or coordination session), instead of keeping each to the end of its TTL.
+    pub ends_with_process: bool,
 }
 
 impl Opened {
@@ -229,6 +232,7 @@ impl Opened {
             elections: None,
             losses: None,
             release_abandoned: false,
+            ends_with_process: false,
         }
     }
 }

@@ -236,6 +236,27 @@ impl Lease {
         self.client.extend_now(&self.state).await
     }
 
+    /// Stops renewing the lease and leaves it held on the engine, neither released nor renewed,
+    /// as a holder that crashed leaves its lock: the engine lets it expire at the end of its
+    /// TTL. Unlike a dropped lease, it is not released even where the engine would keep a
+    /// dropped lease's key alive (etcd). For a holder that must not free the lock before the
+    /// work it handed out can have stopped, and cannot tell that work to stop first.
+    ///
+    /// Where [`Lease::ends_with_process`] is true the lock still ends with this process:
+    /// such a holder keeps its process up until [`Lease::valid_until`].
+    pub fn leave(mut self) {
+        self.client.watchdog.unregister(self.state.id);
+        // Not released on drop: nothing here frees the lock before its TTL has run out.
+        self.released = true;
+    }
+
+    /// Whether the engine ends this lease when this process exits, rather than keeping it
+    /// held to the end of its TTL: its lock lives in this client's database or coordination
+    /// session (PostgreSQL advisory locks, ZooKeeper's ephemeral nodes).
+    pub fn ends_with_process(&self) -> bool {
+        self.client.ends_with_process
+    }
+
     /// Owner-checked release: deletes the lock only if this owner still holds it, and wakes
     /// waiters. Returns [`ErrorKind::NotHolder`] when the lease had already expired or been
     /// taken, so the caller learns its work may have overlapped another holder's.

@@ -38,6 +38,7 @@ pub struct LockOptions {
     auto_renew: bool,
     fair: bool,
     client_name: Option<String>,
+    owner: Option<String>,
 }
 
 impl Default for LockOptions {
@@ -52,6 +53,7 @@ impl Default for LockOptions {
             auto_renew: true,
             fair: false,
             client_name: None,
+            owner: None,
         }
     }
 }
@@ -129,11 +131,40 @@ impl LockOptions {
         self.auto_renew
     }
 
+    /// The owner value to acquire with, instead of a random one: 32 lowercase hex digits, as
+    /// random owners are. For a holder that must find its grant again after a restart, to
+    /// release it with [`Client::release_owner`](crate::Client::release_owner) (the sidecar
+    /// derives the owner of a Dapr lock from the application's `lockOwner`).
+    ///
+    /// The engine knows a holder only by its owner value: two acquisitions with the same value
+    /// are one holder, and a retried grant to it returns the grant already made. Derive it
+    /// from something unique to the holder, never share it.
+    pub fn owner(mut self, owner: impl Into<String>) -> LockOptions {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// The owner value given with [`LockOptions::owner`], if any.
+    pub fn owner_value(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
     pub(crate) fn backoff_bounds(&self) -> (Duration, Duration) {
         (self.retry_min, self.retry_max)
     }
 
     pub(crate) fn validate(&self, max_ttl: Duration) -> Result<()> {
+        if let Some(owner) = &self.owner {
+            if owner.len() != 32
+                || !owner
+                    .bytes()
+                    .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            {
+                return Err(Error::invalid(format!(
+                    "the owner value {owner:?} must be 32 lowercase hex digits, as random owners are"
+                )));
+            }
+        }
         if let Some(name) = &self.client_name {
             if name.is_empty()
                 || name.len() > crate::core::name::MAX_NAME_BYTES
@@ -228,6 +259,29 @@ pub fn display_duration(d: Duration) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_given_owner_value_has_the_shape_of_a_random_one() {
+        let cap = Duration::from_secs(3600);
+        let owner = format!("{:032x}", u128::MAX - 7);
+        let ok = LockOptions::default().owner(owner.clone());
+        assert_eq!(ok.owner_value(), Some(owner.as_str()));
+        assert!(ok.validate(cap).is_ok());
+        for bad in [
+            "",
+            "vader",
+            &"A".repeat(32),
+            &"0".repeat(31),
+            &"0".repeat(33),
+        ] {
+            let e = LockOptions::default().owner(bad).validate(cap);
+            assert_eq!(
+                e.map_err(|e| e.kind()),
+                Err(crate::ErrorKind::InvalidInput),
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_lease_client_name_is_checked_like_a_resource_name() {

@@ -64,6 +64,13 @@ pub struct AuditRecord {
     /// on the nodes named here the old holder's key stays until its TTL ends. Empty on every
     /// other engine, and in records read back from the log.
     pub not_released_on: Vec<String>,
+    /// PostgreSQL advisory mode, in the record a forced release returns: the other leases that
+    /// ended with it, because the lock lived in another process's database session and ending
+    /// that session was the only way to release it. Each is recorded in the audit log too, with
+    /// its own mark, and its holder learns of the loss at once (its session is gone). Empty
+    /// when the lock could be released alone, on every other engine, and in records read
+    /// back from the log.
+    pub ended_with: Vec<AuditRecord>,
 }
 
 impl AuditRecord {
@@ -117,6 +124,7 @@ impl AuditRecord {
             holder,
             counter: number("counter").map_or(FencingToken::new(0), FencingToken::from_stored),
             not_released_on: Vec::new(),
+            ended_with: Vec::new(),
         })
     }
 }

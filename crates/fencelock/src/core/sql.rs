@@ -111,6 +111,7 @@ pub(crate) fn audit_record<R: SqlRow + ?Sized>(
         holder: holder_from(r, AUDIT_HOLDER_AT)?,
         counter: FencingToken::from_stored(r.int(AUDIT_HOLDER_AT + 8)?),
         not_released_on: Vec::new(),
+        ended_with: Vec::new(),
     })
 }
 
@@ -217,6 +218,7 @@ mod tests {
             holder,
             counter: FencingToken::new(1),
             not_released_on: Vec::new(),
+            ended_with: Vec::new(),
         };
         let values = audit_values("p:r", &record);
         assert_eq!(values.len(), columns(AUDIT_COLUMNS).len());
@@ -295,6 +297,7 @@ mod tests {
                         holder,
                         counter: FencingToken::from_stored(counter),
                         not_released_on: Vec::new(),
+                        ended_with: Vec::new(),
                     }
                 },
             )

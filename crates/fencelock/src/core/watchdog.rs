@@ -316,7 +316,9 @@ impl Shared {
             if owners.contains(&e.lease.owner) {
                 e.lease.mark_lost(
                     Loss::NotHolder,
-                    "the engine reported it lost: the session holding it ended".to_owned(),
+                    "the engine reported it lost: the session holding it ended, or a forced \
+                     release took it"
+                        .to_owned(),
                 );
                 false
             } else {

@@ -35,6 +35,7 @@ fn draft(name: &str) -> AuditRecord {
         holder: Holder::bare("o".into()),
         counter: FencingToken::new(0),
         not_released_on: Vec::new(),
+        ended_with: Vec::new(),
     }
 }
 

@@ -616,6 +616,7 @@ impl ClientInner {
             holder: old,
             counter: FencingToken::new(0),
             not_released_on: Vec::new(),
+            ended_with: Vec::new(),
         };
         let done = inner
             .calls

@@ -226,6 +226,8 @@ pub(crate) async fn open(url: PostgresUrl, cfg: &EngineConfig) -> Result<Opened>
             let (engine, losses) = advisory::AdvisoryEngine::new(shared, sessions);
             Ok(Opened {
                 losses: Some(losses),
+                // Session locks: the server frees them when the connection closes.
+                ends_with_process: true,
                 ..Opened::lock(Arc::new(engine))
             })
         }

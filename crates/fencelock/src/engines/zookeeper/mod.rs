@@ -89,6 +89,8 @@ pub(crate) async fn open(url: ZkUrl, cfg: &EngineConfig) -> Result<Opened> {
         queue: Some(engine.clone()),
         elections: Some(engine.clone()),
         losses: Some(rx),
+        // Ephemeral nodes: a client that closes its session on the way out deletes them.
+        ends_with_process: true,
         ..Opened::lock(engine)
     })
 }

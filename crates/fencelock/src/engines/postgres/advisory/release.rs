@@ -1,6 +1,7 @@
 //! The owner's release, through the session that holds the lock, and the undoing of a grant
 //! whose answer was lost.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -30,6 +31,17 @@ impl AdvisoryEngine {
         let Some(session) = self.live_session(self.slot_of(key)).await else {
             return Ok(false);
         };
+        self.release_on(&session, key, name, owner).await
+    }
+
+    /// The owner's release through `session`, after the key's earlier statements there.
+    pub(super) async fn release_on(
+        &self,
+        session: &Arc<Session>,
+        key: i64,
+        name: &str,
+        owner: &str,
+    ) -> Result<bool> {
         let (reply, answer) = oneshot::channel();
         session
             .submit(Op::Release {

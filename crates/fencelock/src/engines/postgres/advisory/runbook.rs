@@ -1,11 +1,14 @@
 //! What the stuck-lock runbook asks of advisory mode: who holds a key as the server sees it
 //! (`pg_locks`, with fencelock's token row when that backend took it through fencelock), and
-//! the forced release, which can only end the holder's session.
+//! the forced release: an unlock on this client's own session when the lock lives there,
+//! else the end of the holder's session and of every lease on it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
+use super::session::Session;
 use super::AdvisoryEngine;
 use crate::core::error::{Error, Result};
 use crate::core::holder::{duration_from_millis, from_unix_millis, Holder};
@@ -68,8 +71,13 @@ impl AdvisoryEngine {
         Ok(out)
     }
 
-    /// Ends the holder's session, records the release and raises the counter to the mark, in
-    /// one transaction that commits only once the backend is gone.
+    /// Records the release and raises the counter to the mark, then frees the lock: on this
+    /// client's own session when that is where it lives (an owner-checked unlock there, which
+    /// ends that lease alone), else by ending the holder's session, the only way to free
+    /// another process's session lock, which ends every lease on it: each is recorded and
+    /// returned in [`AuditRecord::ended_with`]. The transaction commits only once the lock is
+    /// sure to be freed: before the unlock on an own session (which holds it meanwhile, so no
+    /// grant can slip under the mark), after the backend is gone otherwise.
     pub(super) async fn force(
         &self,
         name: &str,
@@ -78,6 +86,7 @@ impl AdvisoryEngine {
     ) -> Result<Option<AuditRecord>> {
         let key = advisory_key(&self.shared.prefix, name);
         let row = self.shared.key(name);
+        let own = self.live_sessions().await;
         // A session of its own: the transaction must not interleave with pooled statements.
         let mut client = self.shared.connect().await?;
         let steps = async {
@@ -98,21 +107,38 @@ impl AdvisoryEngine {
             if expected_owner.is_some_and(|e| e != holder.owner) {
                 return Ok(None);
             }
-            let mark: i64 = tx
-                .query_one(
-                    "INSERT INTO fencelock_tokens (key, lock_key, counter) VALUES ($1, $2, 1)
-                     ON CONFLICT (key) DO UPDATE SET counter = fencelock_tokens.counter + 1,
-                         owner = NULL, backend_pid = NULL
-                     RETURNING counter",
-                    &[&row, &key],
-                )
-                .await?
-                .try_get(0)?;
-            let mut record = draft.clone();
-            record.holder = holder;
-            record.holder.ttl_left = None;
-            record.counter = FencingToken::from_stored(mark);
-            insert_audit(&tx, &row, &record).await?;
+            let mut record = marked(&tx, &row, key, holder, draft).await?;
+            if let Some(s) = own
+                .iter()
+                .find(|s| s.backend_pid == pid && s.holds(key, &record.holder.owner))
+            {
+                tx.commit().await?;
+                return Ok(Some(Forced::Own(s.clone(), record)));
+            }
+            let sql = format!(
+                "SELECT t.key, t.lock_key, {HOLDER_COLUMNS} FROM pg_locks l
+                 JOIN fencelock_tokens t ON {LOCK_KEY} = t.lock_key AND t.backend_pid = l.pid
+                 LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+                 WHERE {ADVISORY_HELD} AND l.pid = $1 AND t.key <> $2
+                 ORDER BY t.key"
+            );
+            for other in tx.query(&sql, &[&pid, &row]).await? {
+                let (other_row, other_key): (String, i64) = (other.try_get(0)?, other.try_get(1)?);
+                let mut also = draft.clone();
+                also.id = format!("{:016x}", rand::random::<u64>());
+                self.shared
+                    .name_of(&other_row)
+                    .clone_into(&mut also.resource);
+                also.reason = format!(
+                    "ended with PostgreSQL backend {pid}, whose session held it, by the forced \
+                     release of {name:?}: {}",
+                    draft.reason
+                );
+                let holder = holder_from(&other, 2)?;
+                record
+                    .ended_with
+                    .push(marked(&tx, &other_row, other_key, holder, &also).await?);
+            }
             // Waits up to 5 s for the backend to exit, so the lock is free on return.
             let ended: bool = tx
                 .query_one("SELECT pg_terminate_backend($1, 5000)", &[&pid])
@@ -121,10 +147,10 @@ impl AdvisoryEngine {
             if ended {
                 tx.commit().await?;
             }
-            Ok::<_, tokio_postgres::Error>(Some((ended, record)))
+            Ok::<_, tokio_postgres::Error>(Some(Forced::Ended(ended, record)))
         };
         let limit = self.shared.op_timeout + Duration::from_secs(5);
-        let (ended, record) = match tokio::time::timeout(limit, steps).await {
+        let forced = match tokio::time::timeout(limit, steps).await {
             Ok(Ok(Some(v))) => v,
             Ok(Ok(None)) => return Ok(None),
             Ok(Err(e)) => return Err(self.shared.error("forced release", e)),
@@ -135,13 +161,31 @@ impl AdvisoryEngine {
                 ))
             }
         };
-        if !ended {
-            return Err(Error::engine_failure(
+        match forced {
+            Forced::Own(session, record) => {
+                // `Ok(false)`: released by its holder meanwhile, so free all the same.
+                self.release_on(&session, key, name, &record.holder.owner)
+                    .await
+                    .map_err(|e| {
+                        Error::engine_failure(
+                            self.shared.kind,
+                            format!(
+                                "the forced release is recorded, but unlocking on this \
+                                 client's session failed ({e}); the lock is freed when that \
+                                 session ends or at the lease's TTL"
+                            ),
+                        )
+                    })?;
+                // Its holder, in this client, learns it now rather than at its next renewal.
+                let _ = self.loss_tx.send(record.holder.owner.clone());
+                Ok(Some(record))
+            }
+            Forced::Ended(true, record) => Ok(Some(record)),
+            Forced::Ended(false, _) => Err(Error::engine_failure(
                 self.shared.kind,
                 "the holder's PostgreSQL backend did not exit within 5 s; nothing was released",
-            ));
+            )),
         }
-        Ok(Some(record))
     }
 
     /// The audit log, shared with lease mode.
@@ -149,6 +193,41 @@ impl AdvisoryEngine {
         let s = self.any_session().await?;
         self.shared.audit(&s.client, name).await
     }
+}
+
+/// How a forced release frees the lock, once recorded.
+enum Forced {
+    /// Unlock it on this client's own session, which holds it.
+    Own(Arc<Session>, AuditRecord),
+    /// The holder's backend was ended (or not, within the bound): `true` when it was.
+    Ended(bool, AuditRecord),
+}
+
+/// Advances the counter of `row` (lock key `key`) to the mark and appends the audit record of
+/// `holder`'s release, from `draft`; returns the record.
+async fn marked(
+    tx: &tokio_postgres::Transaction<'_>,
+    row: &str,
+    key: i64,
+    holder: Holder,
+    draft: &AuditRecord,
+) -> std::result::Result<AuditRecord, tokio_postgres::Error> {
+    let mark: i64 = tx
+        .query_one(
+            "INSERT INTO fencelock_tokens (key, lock_key, counter) VALUES ($1, $2, 1)
+             ON CONFLICT (key) DO UPDATE SET counter = fencelock_tokens.counter + 1,
+                 owner = NULL, backend_pid = NULL
+             RETURNING counter",
+            &[&row, &key],
+        )
+        .await?
+        .try_get(0)?;
+    let mut record = draft.clone();
+    record.holder = holder;
+    record.holder.ttl_left = None;
+    record.counter = FencingToken::from_stored(mark);
+    insert_audit(tx, row, &record).await?;
+    Ok(record)
 }
 
 /// Who holds one key (`$1`, its token row `$2`), in [`HOLDER_COLUMNS`].

@@ -42,6 +42,8 @@ pub(super) enum Held {
 
 pub(super) struct Session {
     pub(super) client: Client,
+    /// The server process of this session, as `pg_locks` names its holder.
+    pub(super) backend_pid: i32,
     pub(super) grant: Statement,
     pub(super) release: Statement,
     pub(super) unlock: Statement,
@@ -82,6 +84,11 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Session {
+    /// Whether this session holds `key` for `owner`, as far as this process knows.
+    pub(super) fn holds(&self, key: i64, owner: &str) -> bool {
+        matches!(lock(&self.held).get(&key), Some(Held::Granted { owner: o, .. }) if o == owner)
+    }
+
     /// Runs `op`, its answer going to the op's reply: right here when no statement of its
     /// key is in flight, so the usual grant or release makes no hop to the session's task
     /// and back; else after the key's earlier statements, from the session's task. A caller
@@ -190,6 +197,15 @@ impl AdvisoryEngine {
             .cloned()
     }
 
+    /// This client's live sessions.
+    pub(super) async fn live_sessions(&self) -> Vec<Arc<Session>> {
+        let mut live = Vec::with_capacity(self.slots.len());
+        for slot in 0..self.slots.len() {
+            live.extend(self.live_session(slot).await);
+        }
+        live
+    }
+
     pub(super) async fn any_session(&self) -> Result<Arc<Session>> {
         for slot in 0..self.slots.len() {
             if let Some(s) = self.live_session(slot).await {
@@ -223,12 +239,17 @@ impl AdvisoryEngine {
                 client.prepare(RELEASE).await?,
                 client.prepare(UNLOCK).await?,
                 client.prepare(MINE).await?,
+                client
+                    .query_one("SELECT pg_backend_pid()", &[])
+                    .await?
+                    .try_get::<_, i32>(0)?,
             ))
         };
-        let (grant, release, unlock, mine) = self.shared.bounded(prepare).await?;
+        let (grant, release, unlock, mine, backend_pid) = self.shared.bounded(prepare).await?;
         let (ops, queue) = mpsc::unbounded_channel();
         let session = Arc::new(Session {
             client,
+            backend_pid,
             grant,
             release,
             unlock,
