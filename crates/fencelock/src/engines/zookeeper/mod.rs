@@ -3,7 +3,8 @@
 //! path, and Curator's `LeaderLatch` layout for elections.
 //!
 //! Each part is documented with its code: the client's one ZooKeeper session, its renewals,
-//! losses and releases in [`session`]; the waiter nodes, the waiting and the token in
+//! losses and releases in [`session`]; how long the client may count on that session, which
+//! only the leader can tell, in [`proof`]; the waiter nodes, the waiting and the token in
 //! [`queue`]; elections in [`election`]; the runbook in [`runbook`]; ZooKeeper calls in
 //! [`call`]; the name mapping in [`paths`].
 
@@ -12,6 +13,7 @@ mod call;
 mod election;
 mod limits;
 mod paths;
+mod proof;
 mod queue;
 mod runbook;
 mod session;
