@@ -48,6 +48,8 @@ pub(crate) struct ZkEngine {
     /// may change or delete it (and create or delete children of a lock path), everyone may
     /// read it; without, ZooKeeper's open ACL, as Curator's default.
     acls: Vec<Acl>,
+    /// `zks://`: the TLS settings every connection uses.
+    tls: Option<zookeeper_client::TlsOptions>,
     /// The client's one session, opened at the first call.
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     /// This client's waiter and holder nodes, by owner value.
@@ -75,8 +77,11 @@ pub(crate) async fn open(url: ZkUrl, cfg: &EngineConfig) -> Result<Opened> {
         vec![Acl::new(Permission::ALL, AuthId::anyone())]
     };
     let prefix = paths::zk_prefix(&cfg.prefix)?;
+    // Bad TLS files are the caller's input: refused here, before any connection.
+    let tls = url.tls_options()?;
     let engine = Arc::new_cyclic(|me| ZkEngine {
         url,
+        tls,
         paths: Paths { prefix },
         op_timeout: cfg.op_timeout,
         acls,

@@ -177,8 +177,34 @@ impl ZkEngine {
             connector = connector.with_auth("digest", format!("{u}:{p}").as_bytes());
         }
         let target = self.url.connect_string();
-        let client = match tokio::time::timeout(self.op_timeout, connector.connect(&target)).await {
+        let connecting_to = async {
+            match &self.tls {
+                None => connector.connect(&target).await,
+                Some(tls) => {
+                    // The client builds its TLS configuration from the process' default
+                    // provider, and rustls cannot pick one with both ring and aws-lc compiled in.
+                    crate::core::tls::ensure_provider();
+                    connector
+                        .with_tls(tls.clone())
+                        .secure_connect(&target)
+                        .await
+                }
+            }
+        };
+        let client = match tokio::time::timeout(self.op_timeout, connecting_to).await {
             Ok(Ok(c)) => c,
+            Ok(Err(e)) if self.tls.is_some() => {
+                return Err(Error::engine_failure(
+                    KIND,
+                    format!(
+                        "ZooKeeper failed to open a TLS session with {target}: {e}; check that \
+                         these are the servers' TLS client ports (secureClientPort), that ca= \
+                         names the CA that signed their certificates, for the host names in \
+                         the URL, and that cert= and key= give a client certificate they \
+                         accept"
+                    ),
+                ))
+            }
             Ok(Err(e)) => return Err(zk_error(&format!("open a session with {target}"), e)),
             Err(_) => {
                 return Err(Error::engine_failure(
