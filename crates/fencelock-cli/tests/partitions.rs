@@ -541,6 +541,9 @@ async fn zk_holder_cut(rows: &mut Vec<Row>) {
 }
 
 #[cfg(feature = "zookeeper")]
+/// What broke: a holder connected to a follower cut off from the leader kept renewing (reads
+/// answered by the follower alone) past the successor's grant.
+///
 /// A ZooKeeper follower cut off from its peers (its host's link taken down in a network of the
 /// test's own) each time a holder connected to it alone has just been granted a lock, while the
 /// holder's own connection to it stays up; the other clients reach the two other servers. The
