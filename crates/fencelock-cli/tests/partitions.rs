@@ -16,9 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chaos_kit::*;
-use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy, PgServer};
 #[cfg(feature = "etcd")]
-use fencelock_testkit::{EtcdCluster, Lan};
+use fencelock_testkit::EtcdCluster;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+use fencelock_testkit::Lan;
+use fencelock_testkit::{start_redis_nodes, Fault, FaultProxy, PgServer};
 
 /// Proxies that every worker shares, one per node: a fault on one is a fault of the node's
 /// network as every client sees it.
@@ -538,6 +540,105 @@ async fn zk_holder_cut(rows: &mut Vec<Row>) {
     drop(ensemble);
 }
 
+#[cfg(feature = "zookeeper")]
+/// What broke: a holder connected to a follower cut off from the leader kept renewing (reads
+/// answered by the follower alone) past the successor's grant.
+///
+/// A ZooKeeper follower cut off from its peers (its host's link taken down in a network of the
+/// test's own) each time a holder connected to it alone has just been granted a lock, while the
+/// holder's own connection to it stays up; the other clients reach the two other servers. The
+/// follower answers reads from its own copy until it gives up on the leader (syncLimit x
+/// tickTime, 2.5 s here), while the leader expires the holder's session after its timeout and
+/// grants the lock to the next waiter: the holder must count its lease lost by then, since no
+/// renewal of its can be confirmed by the quorum.
+async fn zk_follower_isolated(rows: &mut Vec<Row>) {
+    let lan = Arc::new(
+        Lan::new(3).expect("the follower-partition row needs root and iproute2 (ip netns)"),
+    );
+    let ensemble = tokio::task::block_in_place(|| {
+        fencelock_testkit::ZkEnsemble::start_on(lan.clone()).unwrap()
+    });
+    let leader = tokio::task::block_in_place(|| ensemble.leader().unwrap());
+    let follower = (leader + 1) % 3;
+    let addrs: Vec<SocketAddr> = (0..3).map(|i| ensemble.addr(i)).collect();
+    let proxies: Arc<Mutex<Vec<FaultProxy>>> = Arc::default();
+    // A TTL of one session at the servers' shortest: 2 ticks, the leader's ping period
+    // (tickTime/2) then as long against it as the servers allow.
+    let ttl = Duration::from_secs(1);
+    let mut run = Run::new("", ttl, 1, 2, Policy::CutVictim);
+    run.victim_realtime = true;
+    let (p2, l2) = (proxies.clone(), lan.clone());
+    run.url_for = Some(Arc::new(move |id| {
+        let mut mine = Vec::new();
+        if id % 10 == 0 {
+            // From the follower's own host: isolating it leaves this connection up.
+            mine.push(FaultProxy::start_from(addrs[follower], &l2.host_path(follower)).unwrap());
+        } else {
+            for (_, a) in addrs.iter().enumerate().filter(|(i, _)| *i != follower) {
+                mine.push(FaultProxy::start_from(*a, &l2.hub_path()).unwrap());
+            }
+        }
+        let url = mine
+            .iter()
+            .map(|p| p.addr().to_string())
+            .collect::<Vec<_>>();
+        p2.lock().unwrap().extend(mine);
+        format!("zk://{}", url.join(","))
+    }));
+    let l3 = lan.clone();
+    run.cut = Some(Arc::new(move |_, on| {
+        if on {
+            l3.isolate(follower).unwrap();
+        } else {
+            l3.rejoin(follower).unwrap();
+        }
+    }));
+    run.worker_args = vec!["--op-timeout".into(), "500ms".into()];
+    let cycles = if long_form() { 20 } else { 3 };
+    let o = execute(
+        run,
+        // A cycle takes several seconds: a session timeout, then the follower rejoining.
+        Duration::from_secs(if long_form() { 600 } else { 180 }),
+        |s| s.cycles >= cycles,
+        |_, _, _| std::future::pending(),
+    )
+    .await;
+    let row = Row::of("zk", "follower isolated (own network)", &o);
+    assert_safe(&row);
+    assert!(row.cycles >= cycles, "{} cycles", row.cycles);
+    assert_eq!(row.v.double_grants, 0, "{:?} {:?}", row.v, overlaps(&o));
+    assert!(
+        row.v.writes_refused > 0,
+        "no cut-off write refused: {:?}",
+        row.v
+    );
+    check_losses(&o, "zk follower isolated", ttl);
+    // How long before the successor's grant each cut-off holder's validity had ended.
+    let margins: Vec<f64> = o
+        .lost
+        .iter()
+        .filter_map(|l| {
+            let next = o
+                .grants
+                .iter()
+                .filter(|g| g.resource == 0 && g.token > l.token)
+                .min_by_key(|g| g.token)?;
+            Some((next.acquired as f64 - l.valid_until as f64) / 1e6)
+        })
+        .collect();
+    println!(
+        "zk follower isolated: each holder's validity ended {:.0} to {:.0} ms before the \
+         successor's grant",
+        margins.iter().copied().fold(f64::INFINITY, f64::min),
+        margins.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+    );
+    rows.push(row);
+    drop(proxies);
+    // The servers go before their network does.
+    drop(ensemble);
+    drop(lan);
+}
+
 #[cfg(feature = "etcd")]
 /// The raft leader partitioned from the other members and from every client (its host's link
 /// taken down in a network of the test's own), each time a holder has just been granted a
@@ -853,6 +954,10 @@ async fn partitions() {
     #[cfg(feature = "etcd")]
     if wanted("etcd_leader_isolated") {
         etcd_leader_isolated(&mut rows).await;
+    }
+    #[cfg(feature = "zookeeper")]
+    if wanted("zk_follower_isolated") {
+        zk_follower_isolated(&mut rows).await;
     }
     print_table(&rows);
 }

@@ -465,3 +465,139 @@ fn observers_see_leaders_and_proclaimed_values(zk: &ZkEnsemble, classes: &std::p
     rt.block_on(lead.resign()).unwrap();
     next(&mut seen, None);
 }
+
+/// `zks://` against a server whose client port requires TLS and a client certificate signed by
+/// a private CA: a lease over TLS, and the refusals of clients that cannot prove themselves,
+/// each a clear message and exit 69 in bounded time without a byte of a key; unreadable or
+/// non-PEM TLS files are bad input (exit 64).
+#[test]
+fn zks_over_mutual_tls_and_every_refusal_is_clear() {
+    const BAD_INPUT: i32 = 64;
+    const UNAVAILABLE: i32 = 69;
+    let sb = Sandbox::new();
+    let tls = fencelock_testkit::TestTls::generate(&sb.path("ca")).unwrap();
+    let other = fencelock_testkit::TestTls::generate(&sb.path("other-ca")).unwrap();
+    let zk = ZkEnsemble::start_tls(1, &tls).unwrap();
+    let key_lines: Vec<String> = [&tls.client_key, &other.client_key]
+        .iter()
+        .flat_map(|k| {
+            std::fs::read_to_string(k)
+                .unwrap()
+                .lines()
+                .filter(|l| !l.starts_with("-----") && l.len() > 16)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let run = |url: &str| {
+        let mut cmd = fl(&sb, url, "run", &["--ttl", "5s", "job", "--"]);
+        cmd.args(["sh", "-c", "echo token=$FENCELOCK_TOKEN"]);
+        let started = Instant::now();
+        let out = sb.run(cmd);
+        let text = format!("{}{}", out.stdout, out.stderr);
+        for line in &key_lines {
+            assert!(!text.contains(line), "{url}: key material in the output");
+        }
+        assert!(!out.stderr.contains("panicked"), "{url}: {}", out.stderr);
+        (out, started.elapsed())
+    };
+
+    let url = zk.tls_url().unwrap();
+    let (out, _) = run(&url);
+    assert_eq!(out.code(), Some(0), "run over zks://: {out:?}");
+    assert!(out.stdout.contains("token="), "{out:?}");
+    // While a holder runs, `inspect` over TLS names it.
+    let up = sb.path("up");
+    let mut held = fl(&sb, &url, "run", &["--ttl", "5s", "job", "--"]);
+    held.args(["sh", "-c", &format!("echo up > {}; sleep 30", up.display())]);
+    let holder = sb.spawn(held);
+    common::wait_for_line(&up, Duration::from_secs(20));
+    let out = sb.run(fl(&sb, &url, "inspect", &["job"]));
+    assert!(
+        out.stdout.starts_with("job: held by pid"),
+        "inspect over zks://: {out:?}"
+    );
+    drop(holder);
+
+    let port = zk.secure_endpoints()[0].clone();
+    let refused = [
+        (
+            "no client certificate",
+            format!("zks://{port}?ca={}", tls.ca.display()),
+        ),
+        (
+            "a client certificate from another CA",
+            format!(
+                "zks://{port}?ca={}&cert={}&key={}",
+                tls.ca.display(),
+                other.client_cert.display(),
+                other.client_key.display()
+            ),
+        ),
+        (
+            "a server certificate from an unknown CA",
+            format!(
+                "zks://{port}?ca={}&cert={}&key={}",
+                other.ca.display(),
+                tls.client_cert.display(),
+                tls.client_key.display()
+            ),
+        ),
+        ("plain zk:// on the TLS port", format!("zk://{port}")),
+    ];
+    for (what, url) in refused {
+        let (out, took) = run(&url);
+        assert_eq!(out.code(), Some(UNAVAILABLE), "{what}: {out:?}");
+        assert!(took < Duration::from_secs(20), "{what}: {took:?}");
+        assert!(!out.stdout.contains("token="), "{what}: the command ran");
+        assert!(
+            out.stderr.starts_with("fencelock: "),
+            "{what}: {}",
+            out.stderr
+        );
+    }
+    // The unknown CA is named as the likely cause.
+    let (out, _) = run(&format!(
+        "zks://{port}?ca={}&cert={}&key={}",
+        other.ca.display(),
+        tls.client_cert.display(),
+        tls.client_key.display()
+    ));
+    assert!(
+        out.stderr.contains("TLS") && out.stderr.contains("ca="),
+        "{}",
+        out.stderr
+    );
+
+    let not_pem = sb.path("not-a-cert.pem");
+    std::fs::write(&not_pem, "not a certificate\n").unwrap();
+    let bad = [
+        (
+            "ca= not a certificate",
+            format!("zks://{port}?ca={}", not_pem.display()),
+        ),
+        (
+            "ca= missing",
+            format!("zks://{port}?ca={}", sb.path("missing.pem").display()),
+        ),
+        (
+            "key= not a key",
+            format!(
+                "zks://{port}?ca={}&cert={}&key={}",
+                tls.ca.display(),
+                tls.client_cert.display(),
+                not_pem.display()
+            ),
+        ),
+        ("zks:// without ca=", format!("zks://{port}")),
+    ];
+    for (what, url) in bad {
+        let (out, _) = run(&url);
+        assert_eq!(out.code(), Some(BAD_INPUT), "{what}: {out:?}");
+        assert!(
+            out.stderr.contains("ca=") || out.stderr.contains("key="),
+            "{what}: {}",
+            out.stderr
+        );
+    }
+}

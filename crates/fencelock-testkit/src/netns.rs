@@ -103,6 +103,12 @@ impl Lan {
         PathBuf::from("/run/netns").join(&self.hub)
     }
 
+    /// Host `i`'s namespace file: a [`crate::FaultProxy::start_from`] there reaches the
+    /// host's own servers over its loopback, which [`Lan::isolate`] leaves alone.
+    pub fn host_path(&self, i: usize) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.hosts[i])
+    }
+
     /// Takes host `i`'s link down: it can reach nobody and nobody can reach it.
     pub fn isolate(&self, i: usize) -> io::Result<()> {
         self.in_ns_hub(&["link", "set", &format!("p{i}"), "down"])

@@ -3,9 +3,11 @@
 
 use std::fs;
 use std::io::{self, Read, Write};
+use std::net::SocketAddr;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{self, Signal};
@@ -13,6 +15,7 @@ use tempfile::TempDir;
 
 use crate::free_port;
 use crate::proc::{as_pid, env_or, stop};
+use crate::{Lan, TestTls};
 
 /// Overrides the `java` found on `PATH`.
 const JAVA_ENV: &str = "FENCELOCK_JAVA";
@@ -96,6 +99,8 @@ pub const SMALL_JVM: &[&str] = &[
 #[derive(Debug)]
 struct Server {
     client_port: u16,
+    /// The TLS client port, when the ensemble serves TLS.
+    secure_port: Option<u16>,
     peer_port: u16,
     election_port: u16,
     child: Option<Child>,
@@ -117,6 +122,9 @@ struct Server {
 pub struct ZkEnsemble {
     servers: Vec<Server>,
     dir: TempDir,
+    /// Server `i` runs on host `i` of this network, when the ensemble was started on one.
+    lan: Option<Arc<Lan>>,
+    tls: Option<TestTls>,
 }
 
 impl ZkEnsemble {
@@ -127,9 +135,30 @@ impl ZkEnsemble {
     /// then started again on new ports (every server's configuration names every port), up
     /// to [`START_ATTEMPTS`] times.
     pub fn start(n: usize) -> io::Result<ZkEnsemble> {
+        Self::start_with(n, None, None)
+    }
+
+    /// Starts one server on each host of `lan`, so that [`Lan::isolate`] cuts a server off
+    /// from its peers and from every client that reaches it through the hub. Its
+    /// [`ZkEnsemble::endpoints`] are the hosts' addresses: clients reach them through a
+    /// [`crate::FaultProxy::start_from`] the hub, or, to stay connected to a server that is
+    /// cut off from its peers, from the server's own host ([`Lan::host_path`]).
+    pub fn start_on(lan: Arc<Lan>) -> io::Result<ZkEnsemble> {
+        Self::start_with(lan.len(), Some(lan), None)
+    }
+
+    /// Like [`ZkEnsemble::start`], each server also serving clients over TLS on a second port
+    /// ([`ZkEnsemble::tls_url`]) with `tls.server_cert`, and requiring a client certificate
+    /// signed by `tls.ca` there (`ssl.clientAuth=need`); the plain port stays for the kit's
+    /// own readiness checks, and the servers talk plain to each other.
+    pub fn start_tls(n: usize, tls: &TestTls) -> io::Result<ZkEnsemble> {
+        Self::start_with(n, None, Some(tls.clone()))
+    }
+
+    fn start_with(n: usize, lan: Option<Arc<Lan>>, tls: Option<TestTls>) -> io::Result<ZkEnsemble> {
         let mut last = None;
         for _ in 0..START_ATTEMPTS {
-            match Self::start_once(n) {
+            match Self::start_once(n, lan.clone(), tls.clone()) {
                 Ok(ensemble) => return Ok(ensemble),
                 Err(Failed::Exited(e)) => last = Some(e),
                 Err(Failed::Other(e)) => return Err(e),
@@ -138,7 +167,11 @@ impl ZkEnsemble {
         Err(last.unwrap_or_else(|| io::Error::other("ZooKeeper ensemble never started")))
     }
 
-    fn start_once(n: usize) -> Result<ZkEnsemble, Failed> {
+    fn start_once(
+        n: usize,
+        lan: Option<Arc<Lan>>,
+        tls: Option<TestTls>,
+    ) -> Result<ZkEnsemble, Failed> {
         let dir = tempfile::Builder::new()
             .prefix("fencelock-zk")
             .tempdir()
@@ -146,13 +179,19 @@ impl ZkEnsemble {
         let servers = (0..n)
             .map(|_| Server {
                 client_port: free_port(),
+                secure_port: tls.as_ref().map(|_| free_port()),
                 peer_port: free_port(),
                 election_port: free_port(),
                 child: None,
                 pid: 0,
             })
             .collect();
-        let mut ensemble = ZkEnsemble { servers, dir };
+        let mut ensemble = ZkEnsemble {
+            servers,
+            dir,
+            lan,
+            tls,
+        };
         for i in 0..n {
             ensemble.write_config(i).map_err(Failed::Other)?;
             ensemble.launch(i).map_err(Failed::Other)?;
@@ -181,10 +220,45 @@ impl ZkEnsemble {
 
     /// `host:port` of every server, in server order.
     pub fn endpoints(&self) -> Vec<String> {
-        self.servers
-            .iter()
-            .map(|s| format!("127.0.0.1:{}", s.client_port))
+        (0..self.servers.len())
+            .map(|i| self.addr(i).to_string())
             .collect()
+    }
+
+    /// Server `i`'s host: its own address on a test network, else loopback.
+    fn host(&self, i: usize) -> std::net::Ipv4Addr {
+        self.lan
+            .as_ref()
+            .map_or(std::net::Ipv4Addr::LOCALHOST, |l| l.ip(i))
+    }
+
+    /// Server `i`'s plain client address.
+    pub fn addr(&self, i: usize) -> SocketAddr {
+        let port = self.servers.get(i).map_or(0, |s| s.client_port);
+        SocketAddr::from((self.host(i), port))
+    }
+
+    /// `host:port` of every server's TLS client port (empty without TLS).
+    pub fn secure_endpoints(&self) -> Vec<String> {
+        (0..self.servers.len())
+            .filter_map(|i| {
+                let port = self.servers[i].secure_port?;
+                Some(SocketAddr::from((self.host(i), port)).to_string())
+            })
+            .collect()
+    }
+
+    /// `zks://h1:p1,...?ca=...&cert=...&key=...` with the kit's client certificate, for an
+    /// ensemble started with [`ZkEnsemble::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        let t = self.tls.as_ref()?;
+        Some(format!(
+            "zks://{}?ca={}&cert={}&key={}",
+            self.secure_endpoints().join(","),
+            t.ca.display(),
+            t.client_cert.display(),
+            t.client_key.display()
+        ))
     }
 
     /// The ZooKeeper connect string, `h1:p1,h2:p2,...`, as Curator and kazoo take it.
@@ -245,8 +319,22 @@ impl ZkEnsemble {
     /// Server `i`'s answer to a four-letter command (`srvr`, `ruok`, `mntr`), or an error
     /// when it does not answer within a second.
     pub fn four_letters(&self, i: usize, cmd: &str) -> io::Result<String> {
-        let port = self.servers.get(i).map_or(0, |s| s.client_port);
-        four_letters(port, cmd)
+        let addr = self.addr(i);
+        match &self.lan {
+            None => four_letters_at(addr, cmd),
+            // Asked from the hub, where every host is one hop away.
+            Some(lan) => {
+                let ns = fs::File::open(lan.hub_path())?;
+                let cmd = cmd.to_owned();
+                std::thread::spawn(move || {
+                    nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(io::Error::from)?;
+                    four_letters_at(addr, &cmd)
+                })
+                .join()
+                .map_err(|_| io::Error::other("the four-letter command's thread panicked"))?
+            }
+        }
     }
 
     /// Server `i`'s mode as `srvr` reports it: `leader`, `follower` or `standalone`.
@@ -327,19 +415,37 @@ impl ZkEnsemble {
         let s = &self.servers[i];
         let mut cfg = format!(
             "tickTime={}\ninitLimit=10\nsyncLimit=5\ndataDir={}\nclientPort={}\n\
-             clientPortAddress=127.0.0.1\nadmin.enableServer=false\n\
+             clientPortAddress={}\nadmin.enableServer=false\n\
              maxSessionTimeout=120000\n4lw.commands.whitelist=ruok,srvr,stat,mntr\n\
              forceSync=no\n",
             ZK_TICK.as_millis(),
             base.join("data").display(),
-            s.client_port
+            s.client_port,
+            self.host(i)
         );
+        if let (Some(port), Some(t)) = (s.secure_port, &self.tls) {
+            // ZooKeeper 3.8 reads PEM stores: the key store holds the key and the chain.
+            let store = base.join("keystore.pem");
+            let mut pem = fs::read(&t.server_key)?;
+            pem.extend(fs::read(&t.server_cert)?);
+            fs::write(&store, pem)?;
+            cfg.push_str(&format!(
+                "secureClientPort={port}\n\
+                 serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory\n\
+                 ssl.keyStore.location={}\nssl.keyStore.type=PEM\n\
+                 ssl.trustStore.location={}\nssl.trustStore.type=PEM\n\
+                 ssl.clientAuth=need\n",
+                store.display(),
+                t.ca.display()
+            ));
+        }
         if !standalone {
             fs::write(base.join("data/myid"), format!("{}\n", i + 1))?;
             for (j, peer) in self.servers.iter().enumerate() {
                 cfg.push_str(&format!(
-                    "server.{}=127.0.0.1:{}:{}\n",
+                    "server.{}={}:{}:{}\n",
                     j + 1,
+                    self.host(j),
                     peer.peer_port,
                     peer.election_port
                 ));
@@ -359,7 +465,11 @@ impl ZkEnsemble {
             .create(true)
             .append(true)
             .open(base.join("server.log"))?;
-        let child = Command::new(java_bin())
+        let mut java = match &self.lan {
+            None => Command::new(java_bin()),
+            Some(lan) => lan.command(i, java_bin()),
+        };
+        let child = java
             .args(SMALL_JVM)
             .arg("-Dznode.container.checkIntervalMs=500")
             .arg("-Dzookeeper.jmx.log4j.disable=true")
@@ -411,7 +521,10 @@ impl Drop for ZkEnsemble {
 /// Sends a four-letter command to the ZooKeeper client port `port` on loopback and reads the
 /// answer until the server closes the connection.
 pub fn four_letters(port: u16, cmd: &str) -> io::Result<String> {
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    four_letters_at(SocketAddr::from(([127, 0, 0, 1], port)), cmd)
+}
+
+fn four_letters_at(addr: SocketAddr, cmd: &str) -> io::Result<String> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
     stream.set_read_timeout(Some(Duration::from_secs(1)))?;
     stream.write_all(cmd.as_bytes())?;

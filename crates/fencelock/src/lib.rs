@@ -145,7 +145,12 @@ pub use crate::core::options::{LockOptions, MIN_TTL};
 pub use crate::core::records::{AuditRecord, HeldLock, Leader};
 pub use crate::core::router::{BackendFailure, Partial};
 pub use crate::core::routes::{config_path, Routes, SINGLE_BACKEND};
-#[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "etcd",
+    feature = "zookeeper"
+))]
 pub use crate::core::tls::TlsSession;
 pub use crate::core::token::FencingToken;
 pub use crate::core::url::{redact_url, HostPort};

@@ -486,11 +486,15 @@ impl ClientInner {
             .call(&lease.resource, limit, self.engine.extend(&batch))
             .await;
         let in_time = Instant::now() < lease.deadline();
-        let extended = matches!(answer.as_deref(), Ok([Renewed::Extended, ..]));
-        lease.renewal_attempted(in_time && extended);
+        let from = match answer.as_deref() {
+            Ok([first, ..]) => first.confirmed_from(started),
+            _ => None,
+        };
+        lease.renewal_attempted(in_time && from.is_some());
         match answer?.first() {
-            Some(Renewed::Extended) if in_time => {
-                self.watchdog.confirmed(lease.id, started);
+            Some(Renewed::Extended | Renewed::ExtendedFrom(_)) if in_time => {
+                self.watchdog
+                    .confirmed(lease.id, from.unwrap_or(started), started);
                 Ok(())
             }
             // The engine's limit refused it: the lease stays valid until its deadline, which the
@@ -498,7 +502,7 @@ impl ClientInner {
             Some(Renewed::OverLimit(max)) => Err(crate::core::limits::ttl_refused(*max, lease.ttl)
                 .with_resource(&lease.resource)
                 .with_engine(self.engine.kind())),
-            Some(Renewed::Extended) => {
+            Some(Renewed::Extended | Renewed::ExtendedFrom(_)) => {
                 lease.mark_lost(
                     Loss::Expired,
                     "its validity ended before the extension was confirmed".into(),

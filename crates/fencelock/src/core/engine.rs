@@ -91,6 +91,10 @@ pub(crate) struct Renewal {
 pub(crate) enum Renewed {
     /// The engine confirmed this owner still holds the key and pushed its expiry out by the TTL.
     Extended,
+    /// Confirmed as [`Renewed::Extended`], but the engine vouches for the expiry only as if the
+    /// renewal had been sent at this instant, earlier than the batch was (ZooKeeper: how much
+    /// of the session the quorum is known to have seen): the validity counts from it.
+    ExtendedFrom(Instant),
     /// The key is gone or belongs to another owner: the lease is lost.
     NotHolder,
     /// Neither confirmed nor refused (a quorum engine reached too few nodes, the call failed or
@@ -100,6 +104,18 @@ pub(crate) enum Renewed {
     /// expiry stays where the last grant or renewal put it. Refused rather than cut to the
     /// cap, so the engine's expiry never falls short of the validity the client counts.
     OverLimit(Duration),
+}
+
+impl Renewed {
+    /// The instant a confirmed renewal of a batch started at `started` counts its validity
+    /// from; `None` when the renewal was not confirmed.
+    pub(crate) fn confirmed_from(&self, started: Instant) -> Option<Instant> {
+        match self {
+            Renewed::Extended => Some(started),
+            Renewed::ExtendedFrom(at) => Some((*at).min(started)),
+            _ => None,
+        }
+    }
 }
 
 /// The lock, which every engine has.

@@ -22,7 +22,12 @@ pub(crate) mod records;
 pub(crate) mod router;
 pub(crate) mod routes;
 pub(crate) mod sql;
-#[cfg(any(feature = "redis", feature = "postgres", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "etcd",
+    feature = "zookeeper"
+))]
 pub(crate) mod tls;
 pub(crate) mod token;
 pub(crate) mod url;

@@ -142,10 +142,11 @@ impl Watchdog {
         self.shared.lock().remove(&id);
     }
 
-    /// Records a renewal confirmed outside the watchdog (an explicit `extend`).
-    pub(crate) fn confirmed(&self, id: u64, started: Instant) {
+    /// Records a renewal confirmed outside the watchdog (an explicit `extend`) that started at
+    /// `started` and counts its validity `from` then or earlier.
+    pub(crate) fn confirmed(&self, id: u64, from: Instant, started: Instant) {
         if let Some(e) = self.shared.lock().get_mut(&id) {
-            apply_success(e, started);
+            apply_success(e, from, started);
         }
         self.shared.changed.notify_one();
     }
@@ -245,8 +246,8 @@ impl Shared {
             };
             e.in_flight = false;
             let in_time = now < e.lease.deadline();
-            e.lease
-                .renewal_attempted(in_time && outcome == Renewed::Extended);
+            let from = outcome.confirmed_from(result.started);
+            e.lease.renewal_attempted(in_time && from.is_some());
             if !in_time {
                 e.lease.mark_lost(
                     Loss::Expired,
@@ -258,11 +259,12 @@ impl Shared {
                 entries.remove(id);
                 continue;
             }
+            if let Some(from) = from {
+                apply_success(e, from, result.started);
+                continue;
+            }
             let msg = match outcome {
-                Renewed::Extended => {
-                    apply_success(e, result.started);
-                    continue;
-                }
+                Renewed::Extended | Renewed::ExtendedFrom(_) => continue,
                 Renewed::NotHolder => {
                     e.lease.mark_lost(
                         Loss::NotHolder,
@@ -340,9 +342,11 @@ impl Shared {
     }
 }
 
-fn apply_success(e: &mut Entry, started: Instant) {
+/// A renewal confirmed: the validity counts `from` (the batch's start, or earlier when the
+/// engine vouches for less), the next renewal a cadence after the batch's start.
+fn apply_success(e: &mut Entry, from: Instant, started: Instant) {
     let ttl = e.lease.ttl;
-    let deadline = started + ttl.saturating_sub(drift(ttl));
+    let deadline = from + ttl.saturating_sub(drift(ttl));
     if deadline > e.lease.deadline() {
         e.lease.set_deadline(deadline);
     }

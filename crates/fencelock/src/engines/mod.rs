@@ -57,7 +57,7 @@ pub enum Backend {
 }
 
 const SCHEMES: &str =
-    "sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, etcd://, etcds://, zk://";
+    "sqlite://, redis://, rediss://, redlock://, redlocks://, postgres://, etcd://, etcds://, zk://, zks://";
 
 impl Backend {
     /// Parses a backend URL, with the same rules and errors as [`Client::connect`].

@@ -16,11 +16,11 @@ const RETRY_PAUSE: Duration = Duration::from_millis(20);
 impl ZkEngine {
     /// One call, bounded by the operation timeout. `Ok(Err(e))` is ZooKeeper's own answer
     /// (no node, bad version, ...), for the caller to read; no answer in time is an error.
-    pub(super) async fn bounded<T>(
+    pub(super) async fn bounded<T, E>(
         &self,
         what: &str,
-        call: impl Future<Output = std::result::Result<T, ZkError>>,
-    ) -> Result<std::result::Result<T, ZkError>> {
+        call: impl Future<Output = std::result::Result<T, E>>,
+    ) -> Result<std::result::Result<T, E>> {
         tokio::time::timeout(self.op_timeout, call)
             .await
             .map_err(|_| self.no_answer(what))

@@ -3,7 +3,8 @@
 //! path, and Curator's `LeaderLatch` layout for elections.
 //!
 //! Each part is documented with its code: the client's one ZooKeeper session, its renewals,
-//! losses and releases in [`session`]; the waiter nodes, the waiting and the token in
+//! losses and releases in [`session`]; how long the client may count on that session, which
+//! only the leader can tell, in [`proof`]; the waiter nodes, the waiting and the token in
 //! [`queue`]; elections in [`election`]; the runbook in [`runbook`]; ZooKeeper calls in
 //! [`call`]; the name mapping in [`paths`].
 
@@ -12,6 +13,7 @@ mod call;
 mod election;
 mod limits;
 mod paths;
+mod proof;
 mod queue;
 mod runbook;
 mod session;
@@ -46,6 +48,8 @@ pub(crate) struct ZkEngine {
     /// may change or delete it (and create or delete children of a lock path), everyone may
     /// read it; without, ZooKeeper's open ACL, as Curator's default.
     acls: Vec<Acl>,
+    /// `zks://`: the TLS settings every connection uses.
+    tls: Option<zookeeper_client::TlsOptions>,
     /// The client's one session, opened at the first call.
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     /// This client's waiter and holder nodes, by owner value.
@@ -73,8 +77,11 @@ pub(crate) async fn open(url: ZkUrl, cfg: &EngineConfig) -> Result<Opened> {
         vec![Acl::new(Permission::ALL, AuthId::anyone())]
     };
     let prefix = paths::zk_prefix(&cfg.prefix)?;
+    // Bad TLS files are the caller's input: refused here, before any connection.
+    let tls = url.tls_options()?;
     let engine = Arc::new_cyclic(|me| ZkEngine {
         url,
+        tls,
         paths: Paths { prefix },
         op_timeout: cfg.op_timeout,
         acls,

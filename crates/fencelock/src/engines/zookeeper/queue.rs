@@ -88,7 +88,9 @@ impl ZkEngine {
         }
     }
 
-    /// Creates `owner`'s waiter node; returns its path and creation zxid.
+    /// Creates `owner`'s waiter node; returns its path, its creation zxid, and whether the
+    /// create's own answer came (a write through the leader: it vouches for the session, see
+    /// [`super::proof`]), rather than the node being found again after a lost answer.
     async fn create_waiter(
         &self,
         s: &Session,
@@ -96,13 +98,14 @@ impl ZkEngine {
         owner: &str,
         marker: &'static str,
         data: &[u8],
-    ) -> Result<(String, i64)> {
+    ) -> Result<(String, i64, bool)> {
         let id = protected_id(owner);
         let prefix = self.paths.waiter(name, &id, marker);
         let mode = CreateMode::EphemeralSequential.with_acls(self.acls());
         let mut made_parents = false;
         let deadline = Instant::now() + self.op_timeout;
         loop {
+            let sent = Instant::now();
             let created = self
                 .bounded(
                     "create the waiter node",
@@ -110,15 +113,19 @@ impl ZkEngine {
                 )
                 .await?;
             match created {
-                Ok((stat, seq)) => return Ok((format!("{prefix}{seq}"), stat.czxid)),
+                Ok((stat, seq)) => {
+                    s.proof.confirmed(sent);
+                    s.proof.answered(sent, Instant::now());
+                    return Ok((format!("{prefix}{seq}"), stat.czxid, true));
+                }
                 Err(ZkError::NoNode) if !made_parents => {
                     self.ensure_lock_path(s, name).await?;
                     made_parents = true;
                 }
                 // Created or not? Curator's protected mode: look for the node by its id.
                 Err(ZkError::ConnectionLoss) if Instant::now() < deadline => {
-                    if let Some(found) = self.find_waiter(s, name, &id).await? {
-                        return Ok(found);
+                    if let Some((path, czxid)) = self.find_waiter(s, name, &id).await? {
+                        return Ok((path, czxid, false));
                     }
                 }
                 Err(e) => return Err(zk_error("create the waiter node", e)),
@@ -246,7 +253,7 @@ impl WaitQueue for ZkEngine {
             Some(v) => v.to_owned(),
             None => Self::meta_value(req),
         };
-        let (path, czxid) = self
+        let (path, czxid, created) = self
             .create_waiter(&session, &req.name, &req.owner, marker, data.as_bytes())
             .await?;
         let Some(child) = path.rsplit('/').next().map(str::to_owned) else {
@@ -262,18 +269,28 @@ impl WaitQueue for ZkEngine {
             }
             None => return Err(session_ended()),
         }
-        let mut first = true;
+        let mut waited = false;
         loop {
-            // The session was confirmed alive as of this listing: a grant after a wait counts
-            // its validity from here.
-            let since = if first { started } else { Instant::now() };
-            first = false;
             let q = self.read_queue(&session, &req.name, marker).await?;
             let Some(me) = q.iter().position(|(_, c)| *c == child) else {
                 // Its session expired, or an operator deleted it.
                 return Err(session_ended());
             };
             if me == 0 {
+                // The listing, a read, says nothing of the session on the leader: the grant
+                // counts on it as far as the create vouched for it, or, after a wait or a
+                // create found again, as far as a write now does (see `proof`).
+                let since = if created && !waited {
+                    session.proof.valid_from(req.ttl, started)
+                } else {
+                    match session
+                        .confirm(self, "confirm the grant", &[path.as_str()])
+                        .await?
+                    {
+                        Ok(sent) => session.proof.valid_from(req.ttl, sent),
+                        Err(_) => return Err(session_ended()),
+                    }
+                };
                 let token = token_of(czxid)?;
                 let mut nodes = self.nodes();
                 let Some(n) = nodes.get_mut(&req.owner) else {
@@ -293,6 +310,7 @@ impl WaitQueue for ZkEngine {
                 return Ok((held(head), started));
             }
             let prev = format!("{}/{}", self.paths.lock(&req.name), q[me - 1].1);
+            waited = true;
             if !self.wait_for(&session, &prev, deadline).await? {
                 let head = self.read_queue(&session, &req.name, marker).await?;
                 let holder = match head.first() {

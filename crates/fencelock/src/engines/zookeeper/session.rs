@@ -6,12 +6,15 @@
 //!   lease must not trust its node longer than the servers keep it for a silent session: an
 //!   acquisition whose TTL exceeds the granted timeout is refused while the session holds
 //!   anything, and otherwise reopens the session with a timeout that fits.
-//! - **Renewal**: one multi-read of every renewed lease's node, per batch. An answer confirms
-//!   the session was alive when the batch was sent (the servers keep its nodes at least a
-//!   session timeout, no less than the TTL, from then), and each node's creation zxid that it
-//!   is still the node this lease created. A node that is gone is a lost lease. While the
-//!   session is disconnected nothing is sent: renewals are unconfirmed, and the lease is lost
-//!   at the end of its validity unless the session reconnects in time.
+//! - **Renewal**: one `multi` of `check` operations (any version) on every renewed lease's
+//!   node, per batch: a write, so the leader answers it, checking the session and each node on
+//!   its own state, where a read would be answered by whichever server the client is connected
+//!   to, from its own copy, even one cut off from the leader. How long an answer lets the
+//!   leases count on the session is worked out in [`super::proof`]: it is what makes the
+//!   renewal `Renewed::ExtendedFrom` an instant up to about 3/8 of the session timeout before
+//!   it was sent. A node that is gone is a lost lease. While the session is disconnected
+//!   nothing is sent: renewals are unconfirmed, and the lease is lost at the end of its
+//!   validity unless the session reconnects in time.
 //! - **Loss**: when the session expires (or is closed, or its authentication fails), every
 //!   lease it held is reported lost at once, through the watchdog's loss feed; its nodes are
 //!   gone with it on the servers, and nothing is created again behind the holder's back.
@@ -24,10 +27,11 @@ use std::sync::{Arc, MutexGuard, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use zookeeper_client::{Client, Error as ZkError, MultiReadResult, SessionState};
+use zookeeper_client::{Client, Error as ZkError, MultiWriteError, SessionState};
 
 use super::call::{ok, zk_error};
 use super::paths::protected;
+use super::proof::Proof;
 use super::{ZkEngine, KIND};
 use crate::core::engine::{Renewal, Renewed};
 use crate::core::error::{Error, Result};
@@ -35,7 +39,7 @@ use crate::core::error::{Error, Result};
 /// The session timeout asked for when the first call is not an acquisition.
 const READ_SESSION: Duration = Duration::from_secs(10);
 
-/// How many nodes one renewal multi-read reads: ZooKeeper answers at most 1 MB at once.
+/// How many nodes one renewal `multi` checks: ZooKeeper takes requests of at most 1 MB.
 const RENEW_CHUNK: usize = 512;
 
 /// One ZooKeeper session.
@@ -45,11 +49,48 @@ pub(super) struct Session {
     pub(super) timeout: Duration,
     /// Tells this session's nodes from those of an earlier one.
     pub(super) id: i64,
+    /// What the leader is known to have seen of it.
+    pub(super) proof: Proof,
 }
 
 impl Session {
     pub(super) fn alive(&self) -> bool {
         !self.client.state().is_terminated()
+    }
+
+    /// Confirms by a write through the leader that the nodes at `paths` exist and that the
+    /// session is alive. `Ok(Ok(sent))`: all confirmed by a write sent at `sent`; `Ok(Err(i))`: node `i` is gone, the others unconfirmed.
+    pub(super) async fn confirm(
+        &self,
+        engine: &ZkEngine,
+        what: &str,
+        paths: &[&str],
+    ) -> Result<std::result::Result<Instant, usize>> {
+        let sent = Instant::now();
+        let mut writer = self.client.new_multi_writer();
+        for path in paths {
+            writer
+                .add_check_version(path, -1)
+                .map_err(|e| zk_error(what, e))?;
+        }
+        let answer = engine.bounded(what, writer.commit()).await?;
+        match answer {
+            Ok(_) => {
+                let at = Instant::now();
+                self.proof.confirmed(sent);
+                self.proof.answered(sent, at);
+                Ok(Ok(sent))
+            }
+            Err(MultiWriteError::OperationFailed {
+                index,
+                source: ZkError::NoNode,
+            }) => {
+                self.proof.answered(sent, Instant::now());
+                Ok(Err(index))
+            }
+            Err(MultiWriteError::OperationFailed { source, .. })
+            | Err(MultiWriteError::RequestFailed { source }) => Err(zk_error(what, source)),
+        }
     }
 }
 
@@ -117,6 +158,7 @@ impl ZkEngine {
             )));
         }
         watch_session(self.weak(), session.id, session.client.state_watcher());
+        keep_shown(Arc::downgrade(&session), self.op_timeout);
         *current = Some(session.clone());
         Ok(session)
     }
@@ -126,6 +168,8 @@ impl ZkEngine {
     }
 
     async fn connect(&self, timeout: Duration) -> Result<Session> {
+        // The session's creation sets its expiry on the leader after this (see `proof`).
+        let connecting = Instant::now();
         let mut connector = Client::connector()
             .with_session_timeout(timeout)
             .with_fail_eagerly();
@@ -133,8 +177,34 @@ impl ZkEngine {
             connector = connector.with_auth("digest", format!("{u}:{p}").as_bytes());
         }
         let target = self.url.connect_string();
-        let client = match tokio::time::timeout(self.op_timeout, connector.connect(&target)).await {
+        let connecting_to = async {
+            match &self.tls {
+                None => connector.connect(&target).await,
+                Some(tls) => {
+                    // The client builds its TLS configuration from the process' default
+                    // provider, and rustls cannot pick one with both ring and aws-lc compiled in.
+                    crate::core::tls::ensure_provider();
+                    connector
+                        .with_tls(tls.clone())
+                        .secure_connect(&target)
+                        .await
+                }
+            }
+        };
+        let client = match tokio::time::timeout(self.op_timeout, connecting_to).await {
             Ok(Ok(c)) => c,
+            Ok(Err(e)) if self.tls.is_some() => {
+                return Err(Error::engine_failure(
+                    KIND,
+                    format!(
+                        "ZooKeeper failed to open a TLS session with {target}: {e}; check that \
+                         these are the servers' TLS client ports (secureClientPort), that ca= \
+                         names the CA that signed their certificates, for the host names in \
+                         the URL, and that cert= and key= give a client certificate they \
+                         accept"
+                    ),
+                ))
+            }
             Ok(Err(e)) => return Err(zk_error(&format!("open a session with {target}"), e)),
             Err(_) => {
                 return Err(Error::engine_failure(
@@ -147,9 +217,11 @@ impl ZkEngine {
                 ))
             }
         };
+        let timeout = client.session_timeout();
         Ok(Session {
-            timeout: client.session_timeout(),
+            timeout,
             id: client.session_id().0,
+            proof: Proof::new(timeout, connecting),
             client,
         })
     }
@@ -191,7 +263,7 @@ impl ZkEngine {
             }
             return Ok(out);
         }
-        let known: Vec<(usize, String, i64)> = {
+        let known: Vec<(usize, String)> = {
             let nodes = self.nodes();
             batch
                 .iter()
@@ -199,58 +271,41 @@ impl ZkEngine {
                 .filter_map(|(i, r)| {
                     let n = nodes.get(&r.owner)?;
                     let path = n.path.clone()?;
-                    (n.session == session.id && n.granted).then_some((i, path, n.czxid))
+                    (n.session == session.id && n.granted).then_some((i, path))
                 })
                 .collect()
         };
         for chunk in known.chunks(RENEW_CHUNK) {
-            let sent = Instant::now();
-            let answers = self
-                .read("renew", || {
-                    let mut reader = session.client.new_multi_reader();
-                    for (_, path, _) in chunk {
-                        // A path the client refuses is not a lease's: it reads as gone.
-                        let _ = reader.add_get_data(path);
-                    }
-                    reader.commit()
-                })
-                .await;
-            let answers = match answers {
-                Ok(Ok(a)) if a.len() == chunk.len() => a,
-                Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {
-                    let why = match answers {
-                        Ok(Err(e)) => zk_error("renew", e).to_string(),
-                        Err(e) => e.to_string(),
-                        Ok(Ok(_)) => "ZooKeeper answered a renewal for other nodes".to_owned(),
-                    };
-                    for (i, _, _) in chunk {
-                        out[*i] = Renewed::Failed(why.clone());
-                    }
-                    continue;
-                }
-            };
-            let mut nodes = self.nodes();
-            for ((i, _, czxid), answer) in chunk.iter().zip(answers) {
-                let owner = &batch[*i].owner;
-                out[*i] = match answer {
-                    MultiReadResult::Data { stat, .. } if stat.czxid == *czxid => {
-                        if let Some(n) = nodes.get_mut(owner) {
-                            n.expires = sent + n.ttl;
+            let mut left: Vec<&(usize, String)> = chunk.iter().collect();
+            // A gone node fails the whole `multi`: it is taken out and the others asked again.
+            while !left.is_empty() {
+                let paths: Vec<&str> = left.iter().map(|(_, p)| p.as_str()).collect();
+                match session.confirm(self, "renew", &paths).await {
+                    Ok(Ok(sent)) => {
+                        let mut nodes = self.nodes();
+                        for (i, _) in &left {
+                            let r = &batch[*i];
+                            let from = session.proof.valid_from(r.ttl, sent);
+                            if let Some(n) = nodes.get_mut(&r.owner) {
+                                n.expires = from + n.ttl;
+                            }
+                            out[*i] = Renewed::ExtendedFrom(from);
                         }
-                        Renewed::Extended
+                        break;
                     }
-                    MultiReadResult::Error {
-                        err: ZkError::NoNode,
+                    Ok(Err(gone)) => {
+                        let (i, _) = left.remove(gone.min(left.len() - 1));
+                        self.nodes().remove(&batch[*i].owner);
+                        out[*i] = Renewed::NotHolder;
                     }
-                    | MultiReadResult::Data { .. } => {
-                        nodes.remove(owner);
-                        Renewed::NotHolder
+                    Err(e) => {
+                        let why = e.to_string();
+                        for (i, _) in &left {
+                            out[*i] = Renewed::Failed(why.clone());
+                        }
+                        break;
                     }
-                    MultiReadResult::Error { err } => Renewed::Failed(err.to_string()),
-                    _ => {
-                        Renewed::Failed("ZooKeeper answered a renewal with another read".to_owned())
-                    }
-                };
+                }
             }
         }
         Ok(out)
@@ -312,6 +367,35 @@ fn watch_session(engine: Weak<ZkEngine>, id: i64, mut states: zookeeper_client::
             }
             if engine.strong_count() == 0 {
                 return;
+            }
+        }
+    });
+}
+
+/// While session `session` lives, sends a cheap read whenever it has had no answer for a
+/// heartbeat ([`Proof::heartbeat`]), so that its next write has a recent answer to vouch for.
+fn keep_shown(session: Weak<Session>, op_timeout: Duration) {
+    tokio::spawn(async move {
+        loop {
+            let pause = match session.upgrade() {
+                Some(s) if s.alive() => s.proof.heartbeat().saturating_sub(s.proof.quiet_for()),
+                _ => return,
+            };
+            tokio::time::sleep(pause.max(Duration::from_millis(1))).await;
+            let Some(s) = session.upgrade().filter(|s| s.alive()) else {
+                return;
+            };
+            if s.proof.quiet_for() < s.proof.heartbeat()
+                || s.client.state() != SessionState::SyncConnected
+            {
+                continue;
+            }
+            let sent = Instant::now();
+            // Any answer from a server, "no node" included, shows the request reached it.
+            if let Ok(Ok(_) | Err(ZkError::NoNode)) =
+                tokio::time::timeout(op_timeout, s.client.check_stat("/")).await
+            {
+                s.proof.answered(sent, Instant::now());
             }
         }
     });

@@ -1,9 +1,11 @@
-//! `zk://` URLs: `zk://[user:password@]h1:p1[,h2:p2...][/chroot][?session_timeout=10s]`.
+//! `zk://` URLs: `zk://[user:password@]h1:p1[,h2:p2...][/chroot][?session_timeout=10s]`, and
+//! `zks://` for TLS, with `ca=PATH` (required) and `cert=PATH&key=PATH` (a client certificate).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::core::error::{Error, Result};
-use crate::core::url::{decode, parse_host_port, HostPort};
+use crate::core::url::{decode, parse_host_port, HostPort, TlsFiles};
 
 /// ZooKeeper's client port, used for servers written without one.
 const DEFAULT_PORT: u16 = 2181;
@@ -23,6 +25,14 @@ pub struct ZkUrl {
     /// `?session_timeout=`: the session timeout to ask the servers for. Without it the session
     /// asks for the TTL of the first lease.
     pub session_timeout: Option<Duration>,
+    /// `zks://`: every server is reached over TLS (ZooKeeper's `secureClientPort`).
+    pub tls: bool,
+    /// `ca=`: the CA that signed the servers' certificates (PEM).
+    pub ca: Option<PathBuf>,
+    /// `cert=`: a client certificate (PEM), for servers that require one.
+    pub cert: Option<PathBuf>,
+    /// `key=`: the client certificate's key (PEM).
+    pub key: Option<PathBuf>,
 }
 
 impl ZkUrl {
@@ -38,14 +48,58 @@ impl ZkUrl {
     }
 }
 
+impl ZkUrl {
+    /// The TLS settings of a `zks://` URL, its files read and checked now: `None` for `zk://`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) when a file cannot be read or
+    /// holds no PEM CA certificate, client certificate or key; the message names the file,
+    /// never its contents.
+    pub(crate) fn tls_options(&self) -> Result<Option<zookeeper_client::TlsOptions>> {
+        use crate::core::tls::read_pem;
+        if !self.tls {
+            return Ok(None);
+        }
+        let text = |path: &std::path::Path, option: &str| -> Result<String> {
+            String::from_utf8(read_pem(path, option)?).map_err(|_| not_pem(path, option))
+        };
+        let mut options = zookeeper_client::TlsOptions::new();
+        if let Some(ca) = &self.ca {
+            options = options
+                .with_pem_ca(&text(ca, "ca")?)
+                .map_err(|_| not_pem(ca, "ca"))?;
+        }
+        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+            let (c, k) = (text(cert, "cert")?, text(key, "key")?);
+            // The client's message may quote the key file: it is left out.
+            options = options.with_pem_identity(&c, &k).map_err(|_| {
+                Error::invalid(format!(
+                    "the files {} (cert=) and {} (key=) in the backend URL are not a PEM client \
+                     certificate and its private key",
+                    cert.display(),
+                    key.display()
+                ))
+            })?;
+        }
+        Ok(Some(options))
+    }
+}
+
+fn not_pem(path: &std::path::Path, option: &str) -> Error {
+    Error::invalid(format!(
+        "the TLS file {} given as {option}= in the backend URL holds no PEM {}",
+        path.display(),
+        if option == "ca" {
+            "CA certificate"
+        } else {
+            "certificate or key"
+        }
+    ))
+}
+
 /// Parses what follows `zk://`.
 pub(crate) fn parse(scheme: &str, rest: &str) -> Result<ZkUrl> {
-    if scheme == "zks" {
-        return Err(Error::invalid(
-            "zks:// (ZooKeeper over TLS) is not supported by this build: its ZooKeeper client's \
-             TLS needs a second crypto provider; reach ZooKeeper over a TLS tunnel, or use zk://",
-        ));
-    }
+    let tls = scheme == "zks";
     let (main, query) = match rest.split_once('?') {
         Some((m, q)) => (m, Some(q)),
         None => (rest, None),
@@ -99,22 +153,26 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<ZkUrl> {
         Some(p)
     };
     let mut session_timeout = None;
+    let mut rest = Vec::new();
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match k {
             "session_timeout" => session_timeout = Some(parse_duration(v)?),
-            "ca" | "cert" | "key" => {
-                return Err(Error::invalid(
-                    "ca, cert and key are TLS options, and this build reaches ZooKeeper without \
-                     TLS (zk:// only)",
-                ))
-            }
+            "ca" | "cert" | "key" => rest.push(pair),
             other => {
                 return Err(Error::invalid(format!(
-                    "unknown ZooKeeper URL option {other:?}; the option is session_timeout"
+                    "unknown ZooKeeper URL option {other:?}; the options are session_timeout, \
+                     and ca, cert and key with zks://"
                 )))
             }
         }
+    }
+    let TlsFiles { ca, cert, key } = TlsFiles::parse(&rest.join("&"), "ZooKeeper", tls, "zks://")?;
+    if tls && ca.is_none() {
+        return Err(Error::invalid(
+            "zks:// needs the CA that signed the ZooKeeper servers' certificates: add \
+             ca=PATH (a PEM file), as ZooKeeper's own clients need a trust store",
+        ));
     }
     Ok(ZkUrl {
         servers,
@@ -122,6 +180,10 @@ pub(crate) fn parse(scheme: &str, rest: &str) -> Result<ZkUrl> {
         user,
         password,
         session_timeout,
+        tls,
+        ca,
+        cert,
+        key,
     })
 }
 
@@ -174,6 +236,19 @@ mod tests {
         assert_eq!(u.session_timeout, Some(Duration::from_millis(1500)));
         let u = parse("zk://h/").unwrap();
         assert_eq!((u.chroot, u.session_timeout), (None, None));
+        let u = parse("zks://h:2281/app?ca=/c.pem&cert=/u.pem&key=/k%20y.pem&session_timeout=2s")
+            .unwrap();
+        assert!(u.tls);
+        assert_eq!(u.connect_string(), "h:2281/app");
+        assert_eq!(
+            (u.ca, u.cert, u.key),
+            (
+                Some("/c.pem".into()),
+                Some("/u.pem".into()),
+                Some("/k y.pem".into())
+            )
+        );
+        assert_eq!(u.session_timeout, Some(Duration::from_secs(2)));
     }
 
     #[test]
@@ -191,6 +266,9 @@ mod tests {
             "zk://a:1?session_timeout=2h",
             "zk://a:1?pin=1",
             "zks://a:1",
+            "zks://a:1?cert=/c",
+            "zks://a:1?ca=/a&key=/k",
+            "zks://a:1?ca=",
         ] {
             let e = parse(url).expect_err(url);
             assert_eq!(e.kind(), ErrorKind::InvalidInput, "{url}");
