@@ -302,14 +302,18 @@ fn redis_users_are_confined_to_their_prefix_and_the_read_only_one_cannot_lock() 
     assert!(h.wait(FINISH).unwrap().status.success());
 }
 
-/// etcd with client certificates and `auth enable`: the roles `fencelock acl` printed, applied
-/// with `etcdctl` as root, let the user lock under its prefix and nowhere else, and the
-/// read-only user inspect and list but not lock.
-#[test]
-fn etcd_roles_confine_the_user_to_its_prefix() {
-    let dir = tempfile::tempdir().unwrap();
-    let tls = fencelock_testkit::TestTls::generate(dir.path()).unwrap();
-    let cluster = fencelock_testkit::EtcdCluster::start_tls(1, &tls).unwrap();
+/// A one-member etcd over TLS with `auth enable`, a root user and the users `fencelock acl`
+/// prints for the prefix `/svc/`; returns it with a function giving a user's URL.
+fn etcd_with_auth(
+    dir: &std::path::Path,
+    tls: bool,
+) -> (fencelock_testkit::EtcdCluster, impl Fn(&str) -> String) {
+    let cluster = if tls {
+        let tls = fencelock_testkit::TestTls::generate(dir).unwrap();
+        fencelock_testkit::EtcdCluster::start_tls(1, &tls).unwrap()
+    } else {
+        fencelock_testkit::EtcdCluster::start(1).unwrap()
+    };
     let etcdctl = |args: &[&str], stdin: Option<&str>| {
         let mut cmd = cluster.ctl_command(args);
         cmd.env("ETCDCTL_USER", "root:root-pw");
@@ -350,11 +354,21 @@ fn etcd_roles_confine_the_user_to_its_prefix() {
             etcdctl(&argv[1..], None);
         }
     }
-    let as_user = |user: &str| {
-        cluster
-            .url()
-            .replacen("etcds://", &format!("etcds://{user}:{PASSWORD}@"), 1)
+    let url = cluster.url();
+    let as_user = move |user: &str| {
+        let (scheme, rest) = url.split_once("://").unwrap();
+        format!("{scheme}://{user}:{PASSWORD}@{rest}")
     };
+    (cluster, as_user)
+}
+
+/// etcd with client certificates and `auth enable`: the roles `fencelock acl` printed, applied
+/// with `etcdctl` as root, let the user lock under its prefix and nowhere else, and the
+/// read-only user inspect and list but not lock.
+#[test]
+fn etcd_roles_confine_the_user_to_its_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_cluster, as_user) = etcd_with_auth(dir.path(), true);
     let url = as_user("svc");
     let token = ok(&mut fencelock_at(
         &url,
@@ -574,4 +588,43 @@ fn doctor_works_as_the_least_privilege_user() {
     assert!(q.status.success(), "{}{}", q.stdout, q.stderr);
     assert!(q.stdout.contains("was not checked"), "{}", q.stdout);
     assert!(!q.stdout.contains(PASSWORD));
+}
+
+/// The etcd client pinged every second, under etcd's 5 s minimum (`--grpc-keepalive-min-time`):
+/// a server serving gRPC itself (plain HTTP; over TLS etcd 3.4 serves it through Go's HTTP/2
+/// server, which does not police pings) answered GOAWAY `too_many_pings` while a lease was
+/// held, and calls in flight then, releases among them, failed with broken pipes.
+#[test]
+fn an_etcd_client_holding_a_lock_a_while_is_not_sent_away_for_its_pings() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cluster, as_user) = etcd_with_auth(dir.path(), false);
+    let url = as_user("svc");
+    for name in ["a", "b"] {
+        let out = fencelock_at(
+            &url,
+            &[
+                "run", "--prefix", "/svc/", "--ttl", "30s", name, "--", "sleep", "12",
+            ],
+        )
+        // The HTTP/2 layer says when the server sends the connection away.
+        .env("FENCELOCK_LOG", "h2=debug")
+        .run(FINISH)
+        .unwrap();
+        assert!(out.status.success(), "{}", out.stderr);
+        assert!(!out.stderr.contains("warning"), "{}", out.stderr);
+        assert!(
+            !out.stderr.contains("too_many_pings"),
+            "the server sent the client away for its pings: {}",
+            out.stderr
+                .lines()
+                .filter(|l| l.contains("GoAway"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    let log = cluster.log(0);
+    assert!(
+        !log.contains("too_many_pings") && !log.contains("too many pings"),
+        "{log}"
+    );
 }

@@ -16,6 +16,10 @@ use crate::core::error::{Error, Result};
 /// Pause between two tries of a call that never reached a usable member.
 const RETRY_PAUSE: Duration = Duration::from_millis(10);
 
+/// How often the client pings an etcd member over a connection with a call or stream open:
+/// above etcd's default `--grpc-keepalive-min-time` of 5 s.
+const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(6);
+
 /// Connects a client to the backend's endpoints (lazily), with credentials and TLS.
 pub(super) async fn connect_client(
     url: &EtcdUrl,
@@ -36,12 +40,15 @@ pub(super) async fn connect_client(
         .map(|e| format!("{scheme}://{e}"))
         .collect();
     // A member without a leader refuses calls instead of serving stale reads or silent
-    // watches; HTTP/2 pings notice a dead member within about a second.
+    // watches. HTTP/2 pings notice a dead member while a call or stream is open, at the pace
+    // etcd allows: it sends a client away (GOAWAY `too_many_pings`, failing the calls in
+    // flight) that pings more often than `--grpc-keepalive-min-time` (5 s by default) or at
+    // all while no stream is open. A second above the minimum absorbs timer and network jitter.
     let mut opts = ConnectOptions::new()
         .with_connect_timeout(op_timeout)
         .with_require_leader(true)
-        .with_keep_alive(Duration::from_secs(1), op_timeout)
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(KEEP_ALIVE_EVERY, op_timeout)
+        .with_keep_alive_while_idle(false);
     if let (Some(u), Some(p)) = (user, password) {
         opts = opts.with_user(u.clone(), p.clone());
     }
