@@ -213,3 +213,48 @@ fn postgres_over_tls_with_verify_full_and_disable_refused_by_the_server() {
     assert!(out.stderr.contains("no encryption"), "{}", out.stderr);
     assert_no_key_in("postgres", &out.stderr, &[tls.server_key.as_path()]);
 }
+
+/// `etcds://...?ca=F` naming a file that is not a certificate exited 69 (the cluster looked
+/// unreachable) where Redis and PostgreSQL exit 64: tonic found the file unusable only while
+/// connecting. Every engine now says which option names a file that holds no PEM of its kind.
+#[test]
+fn a_tls_file_that_is_not_pem_is_bad_input_on_every_engine() {
+    let sb = Sandbox::new();
+    let dir = tempfile::tempdir().unwrap();
+    let tls = TestTls::generate(dir.path()).unwrap();
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let (ca, cert, key) = (
+        tls.ca.display().to_string(),
+        tls.client_cert.display().to_string(),
+        tls.client_key.display().to_string(),
+    );
+    let junk = junk.display().to_string();
+    // Nothing listens on port 1: the files are refused before any connection is tried.
+    for scheme in ["etcds", "rediss", "redlocks"] {
+        let hosts = if scheme == "redlocks" {
+            "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
+        } else {
+            "127.0.0.1:1"
+        };
+        for (option, url) in [
+            ("ca", format!("{scheme}://{hosts}?ca={junk}")),
+            (
+                "cert",
+                format!("{scheme}://{hosts}?ca={ca}&cert={junk}&key={key}"),
+            ),
+            (
+                "key",
+                format!("{scheme}://{hosts}?ca={ca}&cert={cert}&key={junk}"),
+            ),
+        ] {
+            let out = run_prints_token(&sb, &url);
+            assert_eq!(out.code(), Some(64), "{url}: {out:?}");
+            assert!(
+                out.stderr.contains(&format!("{option}=")) && out.stderr.contains("junk.pem"),
+                "{url}: {}",
+                out.stderr
+            );
+        }
+    }
+}

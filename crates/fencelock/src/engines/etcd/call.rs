@@ -53,21 +53,20 @@ pub(super) async fn connect_client(
         opts = opts.with_user(u.clone(), p.clone());
     }
     if *tls {
-        let read = |p: &std::path::Path, what: &str| {
-            std::fs::read(p)
-                .map_err(|e| Error::invalid(format!("cannot read the {what} {}: {e}", p.display())))
-        };
+        use crate::core::tls::{certificates, private_key, read_pem};
+        // tonic takes the files as bytes and finds them unusable only while connecting, which
+        // would read as an unreachable cluster: they are checked here, as bad input.
         let mut t = etcd_client::TlsOptions::new();
         if let Some(ca) = ca {
-            t = t.ca_certificate(etcd_client::Certificate::from_pem(read(
-                ca,
-                "CA certificate",
-            )?));
+            certificates(ca, "ca")?;
+            t = t.ca_certificate(etcd_client::Certificate::from_pem(read_pem(ca, "ca")?));
         }
         if let (Some(c), Some(k)) = (cert, key) {
+            certificates(c, "cert")?;
+            private_key(k, "key")?;
             t = t.identity(etcd_client::Identity::from_pem(
-                read(c, "client certificate")?,
-                read(k, "client key")?,
+                read_pem(c, "cert")?,
+                read_pem(k, "key")?,
             ));
         }
         opts = opts.with_tls(t);

@@ -136,15 +136,26 @@ impl RedisUrl {
 
     /// The TLS files, read once for every node.
     fn tls_files(&self) -> Result<Option<redis::TlsCertificates>> {
-        use crate::core::tls::read_pem;
+        use crate::core::tls::{certificates, private_key, read_pem};
         if !self.tls {
             return Ok(None);
+        }
+        // The driver finds a file unusable only while connecting, which would read as a node
+        // down: each file is checked here, as bad input.
+        if let Some(ca) = &self.ca {
+            certificates(ca, "ca")?;
         }
         let root_cert = self.ca.as_deref().map(|p| read_pem(p, "ca")).transpose()?;
         let client_tls = match (&self.cert, &self.key) {
             (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
-                client_cert: read_pem(cert, "cert")?,
-                client_key: read_pem(key, "key")?,
+                client_cert: {
+                    certificates(cert, "cert")?;
+                    read_pem(cert, "cert")?
+                },
+                client_key: {
+                    private_key(key, "key")?;
+                    read_pem(key, "key")?
+                },
             }),
             _ => None,
         };
