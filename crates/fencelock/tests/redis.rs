@@ -1010,3 +1010,54 @@ async fn a_release_under_a_quota_its_client_never_saw_leaves_the_held_set() {
     assert_eq!(cli(&server, &["ZCARD", "fencelock:v1:held:unaware"]), "0");
     assert!(c.inspect("counted").await.unwrap().is_none());
 }
+
+/// What the per-client quota promises on Redlock, where each node counts a client's leases and a
+/// grant needs a majority of nodes that let it through: a node that misses grants (hung, cut
+/// off) lets a client gather up to ⌊N·Q/M⌋ leases (4 for a quota of 3 on 3 nodes; seen as
+/// "4 leases with a quota of 3" while nodes flapped), never more, and Q while every node sees
+/// every grant. docs/security.md states this bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redlock_quota_keeps_its_stated_bound_while_nodes_flap() {
+    let nodes = start_redis_nodes(3).unwrap();
+    let url = redlock_url(&nodes);
+    let admin = connect(&url).await;
+    admin
+        .set_limits(&fencelock::Limits::default().with_max_held_per_client(3))
+        .await
+        .unwrap();
+    let c = Client::builder(&url)
+        .client_name("flapping")
+        .connect()
+        .await
+        .unwrap();
+    let opts = LockOptions::default().ttl(Duration::from_secs(60));
+    let bound = 3 * 3 / 2;
+    let mut held = Vec::new();
+    for i in 0..9 {
+        let down = &nodes[i % 3];
+        down.pause().unwrap();
+        let got = c.try_acquire(&format!("job-{i}"), &opts).await;
+        down.resume().unwrap();
+        match got {
+            Ok(lease) => held.push(lease),
+            Err(e) => assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}"),
+        }
+        assert!(held.len() <= bound, "{} leases past the bound", held.len());
+    }
+    // With every node up, each counts what it granted: no grant beyond the quota's bound.
+    let e = c.try_acquire("all-up", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}");
+    for lease in held {
+        lease.release().await.unwrap();
+    }
+    // And once released, the quota is whole again: three leases, the fourth refused.
+    let mut again = Vec::new();
+    for i in 0..3 {
+        again.push(c.try_acquire(&format!("again-{i}"), &opts).await.unwrap());
+    }
+    let e = c.try_acquire("again-3", &opts).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LimitExceeded, "{e}");
+    for lease in again {
+        lease.release().await.unwrap();
+    }
+}
